@@ -1,0 +1,1 @@
+"""Backends turn tokenized samples into hidden states (hf: in-process; sglang: patched server)."""
