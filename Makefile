@@ -1,0 +1,51 @@
+# Everything installs itself: `make test` and `make demo` need nothing but this checkout,
+# root, and the machine's configured package sources.
+SHELL := /bin/bash
+VENV  := .venv
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# A pyenv shim can name a Python that is not installed: pick an interpreter by running it.
+PYTHON := $(shell for p in python3.11 python3 /usr/bin/python3.11; do \
+	$$p -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null && { command -v $$p; break; }; done)
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup lab-ensure lint unit molecule integration test demo clean lab-down
+
+setup: $(STAMP)
+
+$(STAMP): constraints.txt requirements-dev.txt pyproject.toml
+	@test -n "$(PYTHON)" || { echo "make: no working Python 3.11 found" >&2; exit 2; }
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -r requirements-dev.txt
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $@
+
+lab-ensure: setup
+	$(BIN)/python tests/lab/lab.py ensure
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ansible-lint --profile production -q
+
+unit: setup
+	$(BIN)/pytest tests/unit -q
+
+molecule: lab-ensure
+	tests/molecule/run.sh
+
+integration: lab-ensure
+	$(BIN)/pytest tests/integration -q
+
+# lint + unit + molecule + integration; the lab is always torn down, also on failure.
+test: lab-ensure
+	tests/run_all.sh
+
+demo: lab-ensure
+	tests/demo.sh
+
+lab-down:
+	$(BIN)/python tests/lab/lab.py down
+
+clean: lab-down
+	rm -rf $(VENV) .pytest_cache .ruff_cache reports

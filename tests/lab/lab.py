@@ -1,0 +1,474 @@
+#!/usr/bin/env python3
+"""The lab: real Debian test hosts (systemd as PID 1, real SSH) on a machine without Docker.
+
+Each host is a systemd-nspawn container booted from a cached debootstrap'd rootfs through an
+overlayfs copy, in its own network namespace reached over a veth pair, with its own loop-mounted
+ext4 /data. Everything the lab creates carries the prefix `hsxlab`, and `up` first removes what a
+killed earlier run left behind under that prefix (containers, cgroups, mounts, namespaces) and
+nothing else.
+
+    lab.py up N [--data-size 512M] [--no-data NAME...] [--ro-data NAME...]
+    lab.py down | status | inventory [--out FILE] | ensure | ssh NAME CMD...
+
+Runs as root, stdlib only (it must work before any venv exists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PREFIX = "hsxlab"
+SUITE = "bookworm"
+CACHE = Path(os.environ.get("HSX_LAB_CACHE", "/var/cache/hsx-lab"))
+STATE = Path(os.environ.get("HSX_LAB_STATE", "/var/lib/hsx-lab"))
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_INVENTORY = REPO / "inventory" / "lab" / "hosts.yml"
+# Packages inside every host. python3-venv: extraction_deploy builds a venv on the host.
+ROOTFS_PACKAGES = [
+    "systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "openssh-server",
+    "iproute2", "sudo", "procps", "e2fsprogs",
+]
+CONTROL_PACKAGES = {"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container",
+                    "ssh": "openssh-client", "ssh-keygen": "openssh-client",
+                    "mkfs.ext4": "e2fsprogs", "ip": "iproute2"}
+# Units that cannot work inside a container and would only make the host "degraded".
+MASKED_UNITS = ["console-getty.service", "getty@.service", "systemd-remount-fs.service",
+                "systemd-timesyncd.service", "apt-daily.timer", "apt-daily-upgrade.timer",
+                "e2scrub_all.timer", "e2scrub_reap.service", "fstrim.timer"]
+BOOT_TIMEOUT_S = 90
+
+
+class LabError(RuntimeError):
+    """A lab step failed; the message says which and why."""
+
+
+def log(msg: str) -> None:
+    print(f"lab: {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if check and proc.returncode != 0:
+        raise LabError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return proc
+
+
+# ---------------------------------------------------------------- control node preparation
+def ensure_control_packages() -> None:
+    missing = sorted({pkg for tool, pkg in CONTROL_PACKAGES.items() if not shutil.which(tool)})
+    if not missing:
+        return
+    log(f"installing {' '.join(missing)} (apt)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    run(["apt-get", "update", "-qq"], env=env, timeout=600)
+    run(["apt-get", "install", "-y", "-qq", *missing], env=env, timeout=900)
+
+
+def debian_mirror() -> str:
+    """The Debian mirror this machine's apt already uses (never a hard-coded host)."""
+    override = os.environ.get("HSX_LAB_MIRROR")
+    if override:
+        return override
+    sources = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]
+    for src in sources:
+        if not src.is_file():
+            continue
+        text = src.read_text(errors="replace")
+        for m in re.finditer(r"^URIs:\s*(\S+)\s*$\s*^Suites:\s*([^\n]+)$", text, re.M):
+            if SUITE in m.group(2).split() and "security" not in m.group(1):
+                return m.group(1)
+        for m in re.finditer(r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+(\S+)", text, re.M):
+            if m.group(2) == SUITE:
+                return m.group(1)
+    raise LabError(f"no Debian {SUITE} mirror found in /etc/apt sources; set HSX_LAB_MIRROR")
+
+
+def lab_key() -> Path:
+    key = CACHE / "lab_key"
+    if not key.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "hsx-lab", "-f", str(key)])
+    return key
+
+
+def rootfs_dir() -> Path:
+    digest = hashlib.sha256(" ".join([SUITE, *ROOTFS_PACKAGES, *MASKED_UNITS]).encode()).hexdigest()[:12]
+    return CACHE / f"rootfs-{SUITE}-{digest}"
+
+
+def ensure_rootfs() -> Path:
+    """Build the host rootfs once per machine (cached outside the clone, keyed by its contents)."""
+    root = rootfs_dir()
+    if (root / ".complete").exists():
+        return root
+    ensure_control_packages()
+    tmp = root.with_name(root.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    mirror = debian_mirror()
+    log(f"building rootfs {root.name} with debootstrap (about a minute)")
+    t0 = time.monotonic()
+    run(["debootstrap", "--variant=minbase", f"--include={','.join(ROOTFS_PACKAGES)}",
+         SUITE, str(tmp), mirror], timeout=1200)
+    for unit in MASKED_UNITS:
+        link = tmp / "etc/systemd/system" / unit
+        link.unlink(missing_ok=True)
+        link.symlink_to("/dev/null")
+    (tmp / "etc/ssh/sshd_config.d").mkdir(parents=True, exist_ok=True)
+    (tmp / "etc/ssh/sshd_config.d/hsx-lab.conf").write_text(
+        "PermitRootLogin prohibit-password\nPasswordAuthentication no\nUseDNS no\n")
+    (tmp / "etc/machine-id").write_text("")
+    # Empty apt sources: lab hosts have no network; everything arrives from the control node.
+    (tmp / "etc/apt/sources.list").write_text("")
+    (tmp / ".complete").write_text(f"built in {time.monotonic() - t0:.0f}s\n")
+    tmp.rename(root)
+    log(f"rootfs ready in {time.monotonic() - t0:.0f}s")
+    return root
+
+
+# ---------------------------------------------------------------- cgroups
+def cgroup_roots() -> list[Path]:
+    """The hierarchies a launcher must move itself into (hybrid: name=systemd + unified; v2: one)."""
+    base = Path("/sys/fs/cgroup")
+    if (base / "cgroup.controllers").exists():
+        return [base]
+    roots = [base / d for d in ("systemd", "unified") if (base / d / "cgroup.procs").exists()]
+    if not roots:
+        raise LabError("no usable cgroup hierarchy under /sys/fs/cgroup")
+    return roots
+
+
+def cgroup_pids(group: Path) -> list[int]:
+    pids: list[int] = []
+    for procs in group.rglob("cgroup.procs"):
+        try:
+            pids += [int(p) for p in procs.read_text().split()]
+        except OSError:
+            pass
+    return pids
+
+
+def remove_cgroup(group: Path) -> None:
+    if not group.exists():
+        return
+    deadline = time.monotonic() + 15
+    while True:
+        kill_file = group / "cgroup.kill"
+        if kill_file.exists():
+            try:
+                kill_file.write_text("1")
+            except OSError:
+                pass
+        pids = cgroup_pids(group)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not pids:
+            break
+        if time.monotonic() > deadline:
+            raise LabError(f"processes {pids[:10]} in {group} survive SIGKILL")
+        time.sleep(0.1)
+    for sub in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        _rmdir_retry(sub)
+    _rmdir_retry(group)
+
+
+def _rmdir_retry(path: Path) -> None:
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise LabError(f"cannot remove cgroup {path}")
+
+
+# ---------------------------------------------------------------- hosts
+@dataclass
+class Host:
+    name: str
+    index: int
+    address: str
+    peer: str
+    data: str  # "rw", "ro" or "none"
+    data_size: str
+    pid: int = 0
+
+    @property
+    def dir(self) -> Path:
+        return STATE / self.name
+
+    @property
+    def veth(self) -> str:
+        return f"{PREFIX[:4]}l-{self.index}"
+
+    @classmethod
+    def make(cls, index: int, data: str, data_size: str) -> Host:
+        return cls(name=f"{PREFIX}-{index}", index=index, address=f"10.213.{index}.2",
+                   peer=f"10.213.{index}.1", data=data, data_size=data_size)
+
+
+def host_names_on_disk() -> list[str]:
+    names = {p.name for p in STATE.glob(f"{PREFIX}-*") if p.is_dir()}
+    names |= {n for n in _netns_names() if n.startswith(f"{PREFIX}-")}
+    for root in _safe_cgroup_roots():
+        names |= {p.name for p in root.glob(f"{PREFIX}-*") if p.is_dir()}
+    return sorted(names, key=lambda n: int(n.rsplit("-", 1)[1]) if n.rsplit("-", 1)[1].isdigit() else 0)
+
+
+def _safe_cgroup_roots() -> list[Path]:
+    try:
+        return cgroup_roots()
+    except LabError:
+        return []
+
+
+def _netns_names() -> list[str]:
+    if not shutil.which("ip"):
+        return []
+    out = run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def load_host(name: str) -> Host | None:
+    meta = STATE / name / "host.json"
+    if not meta.exists():
+        return None
+    return Host(**json.loads(meta.read_text()))
+
+
+def cleanup(name: str) -> None:
+    """Remove every trace of one lab host, whatever state a killed run left it in."""
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc_dir / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmdline and cmdline[0].endswith(b"systemd-nspawn") and f"--machine={name}".encode() in cmdline:
+            try:
+                os.kill(int(proc_dir.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for root in _safe_cgroup_roots():
+        remove_cgroup(root / name)
+    host_dir = STATE / name
+    mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+    for mnt in sorted((m for m in mounts if m.startswith(str(host_dir) + "/")), key=len, reverse=True):
+        if run(["umount", mnt], check=False).returncode != 0:
+            run(["umount", "-l", mnt], check=False)
+    img = host_dir / "data.img"
+    if img.exists():
+        for line in run(["losetup", "-j", str(img)], check=False).stdout.splitlines():
+            run(["losetup", "-d", line.split(":")[0]], check=False)
+    if name in _netns_names():
+        run(["ip", "netns", "delete", name], check=False)
+    index = name.rsplit("-", 1)[1]
+    veth = f"{PREFIX[:4]}l-{index}"
+    if Path(f"/sys/class/net/{veth}").exists():
+        run(["ip", "link", "delete", veth], check=False)
+    shutil.rmtree(host_dir, ignore_errors=True)
+
+
+def prepare(host: Host, rootfs: Path, pubkey: str) -> None:
+    d = host.dir
+    for sub in ("upper", "work", "merged", "data"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    run(["mount", "-t", "overlay", "overlay", "-o",
+         f"lowerdir={rootfs},upperdir={d / 'upper'},workdir={d / 'work'}", str(d / "merged")])
+    merged = d / "merged"
+    ssh_dir = merged / "root/.ssh"
+    ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (ssh_dir / "authorized_keys").write_text(pubkey)
+    (merged / "etc/hostname").write_text(host.name + "\n")
+    (merged / "data").mkdir(exist_ok=True)
+    if host.data != "none":
+        img = d / "data.img"
+        run(["truncate", "-s", host.data_size, str(img)])
+        run(["mkfs.ext4", "-q", "-F", "-L", f"{host.name}-data", str(img)])
+        run(["mount", "-o", "loop", str(img), str(d / "data")])
+    run(["ip", "netns", "add", host.name])
+    run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.name])
+    run(["ip", "addr", "add", f"{host.peer}/30", "dev", host.veth])
+    run(["ip", "link", "set", host.veth, "up"])
+    run(["ip", "-n", host.name, "addr", "add", f"{host.address}/30", "dev", "eth0"])
+    run(["ip", "-n", host.name, "link", "set", "eth0", "up"])
+    run(["ip", "-n", host.name, "link", "set", "lo", "up"])
+
+
+def launch(host: Host) -> None:
+    """Start systemd-nspawn in its own cgroup (both hierarchies) so several hosts never collide."""
+    groups = []
+    for root in cgroup_roots():
+        group = root / host.name
+        group.mkdir(exist_ok=True)
+        groups.append(group)
+
+    def enter_cgroups() -> None:
+        for group in groups:
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    cmd = ["systemd-nspawn", "--boot", "--register=no", "--keep-unit", "--console=passive",
+           f"--machine={host.name}", f"--directory={host.dir / 'merged'}",
+           f"--network-namespace-path=/run/netns/{host.name}", "--resolv-conf=off",
+           "--timezone=off", "--link-journal=no"]
+    if host.data != "none":
+        flag = "--bind-ro" if host.data == "ro" else "--bind"
+        cmd.append(f"{flag}={host.dir / 'data'}:/data")
+    logf = open(host.dir / "console.log", "wb")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                            preexec_fn=enter_cgroups, start_new_session=True)
+    host.pid = proc.pid
+    (host.dir / "host.json").write_text(json.dumps(asdict(host)))
+
+
+def ssh_base(host: Host) -> list[str]:
+    return ["ssh", "-i", str(lab_key()), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+            "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=3", "-o", "BatchMode=yes", f"root@{host.address}"]
+
+
+def wait_booted(host: Host, deadline: float) -> str:
+    last = ""
+    while time.monotonic() < deadline:
+        if host.pid and not Path(f"/proc/{host.pid}").exists():
+            tail = (host.dir / "console.log").read_text(errors="replace")[-1500:]
+            raise LabError(f"{host.name}: systemd-nspawn exited during boot:\n{tail}")
+        proc = run([*ssh_base(host), "systemctl is-system-running --wait"], check=False, timeout=60)
+        state = proc.stdout.strip()
+        if state == "running":
+            return state
+        if state == "degraded":
+            failed = run([*ssh_base(host), "systemctl --failed --no-legend --plain"], check=False).stdout
+            raise LabError(f"{host.name}: booted degraded; failed units:\n{failed}")
+        last = (proc.stderr or state).strip()
+        time.sleep(0.5)
+    raise LabError(f"{host.name}: not running after {BOOT_TIMEOUT_S}s (last: {last}); "
+                   f"see {host.dir / 'console.log'}")
+
+
+def up(count: int, data_size: str, no_data: set[str], ro_data: set[str], start: int = 1) -> list[Host]:
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root (namespaces, mounts, nspawn)")
+    ensure_control_packages()
+    rootfs = ensure_rootfs()
+    pubkey = Path(str(lab_key()) + ".pub").read_text()
+    for name in host_names_on_disk():
+        log(f"removing leftover {name}")
+        cleanup(name)
+    hosts = []
+    for i in range(start, start + count):
+        name = f"{PREFIX}-{i}"
+        mode = "none" if name in no_data else "ro" if name in ro_data else "rw"
+        hosts.append(Host.make(i, mode, data_size))
+    t0 = time.monotonic()
+    for host in hosts:
+        prepare(host, rootfs, pubkey)
+        launch(host)
+    deadline = time.monotonic() + BOOT_TIMEOUT_S
+    with concurrent.futures.ThreadPoolExecutor(len(hosts)) as pool:
+        futures = {pool.submit(wait_booted, h, deadline): h for h in hosts}
+        errors = [str(f.exception()) for f in futures if f.exception()]
+    if errors:
+        raise LabError("\n".join(errors))
+    log(f"{count} host(s) running in {time.monotonic() - t0:.1f}s")
+    write_inventory(DEFAULT_INVENTORY)
+    return hosts
+
+
+def down() -> None:
+    for name in host_names_on_disk():
+        cleanup(name)
+        log(f"{name} removed")
+
+
+def running_hosts() -> list[Host]:
+    hosts = [load_host(n) for n in host_names_on_disk()]
+    return [h for h in hosts if h and h.pid and Path(f"/proc/{h.pid}").exists()]
+
+
+def write_inventory(path: Path) -> None:
+    lines = ["# Written by tests/lab/lab.py: the lab's running hosts. Do not edit.", "lab:", "  hosts:"]
+    for h in running_hosts():
+        lines += [f"    {h.name}:", f"      ansible_host: {h.address}", f"      lab_data_mode: {h.data}"]
+    if not running_hosts():
+        lines[-1] = "  hosts: {}"
+    lines += ["  vars:", "    ansible_user: root", f"    ansible_ssh_private_key_file: {lab_key()}",
+              "    ansible_ssh_common_args: >-", "      -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
+              "      -o LogLevel=ERROR", "    ansible_python_interpreter: /usr/bin/python3"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def status() -> int:
+    names = host_names_on_disk()
+    if not names:
+        print("no lab hosts")
+        return 0
+    for name in names:
+        host = load_host(name)
+        alive = bool(host and host.pid and Path(f"/proc/{host.pid}").exists())
+        state = "-"
+        if alive:
+            state = run([*ssh_base(host), "systemctl is-system-running"], check=False, timeout=15).stdout.strip()
+        print(f"{name}\t{host.address if host else '?'}\tnspawn={'up' if alive else 'down'}\tsystem={state or '?'}"
+              f"\tdata={host.data if host else '?'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_up = sub.add_parser("up", help="boot N hosts (removing any earlier lab first)")
+    p_up.add_argument("count", type=int)
+    p_up.add_argument("--data-size", default=os.environ.get("HSX_LAB_DATA_SIZE", "512M"))
+    p_up.add_argument("--no-data", nargs="*", default=[], metavar="NAME", help="hosts without a /data mount")
+    p_up.add_argument("--ro-data", nargs="*", default=[], metavar="NAME", help="hosts with /data read-only")
+    sub.add_parser("down", help="remove every lab host")
+    sub.add_parser("status", help="list lab hosts")
+    p_inv = sub.add_parser("inventory", help="write the Ansible inventory of running hosts")
+    p_inv.add_argument("--out", type=Path, default=DEFAULT_INVENTORY)
+    sub.add_parser("ensure", help="install what the lab needs and build the rootfs")
+    p_ssh = sub.add_parser("ssh", help="run a command on a host")
+    p_ssh.add_argument("name")
+    p_ssh.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "up":
+            up(args.count, args.data_size, set(args.no_data), set(args.ro_data))
+        elif args.cmd == "down":
+            down()
+        elif args.cmd == "status":
+            return status()
+        elif args.cmd == "inventory":
+            write_inventory(args.out)
+        elif args.cmd == "ensure":
+            ensure_control_packages()
+            print(ensure_rootfs())
+        elif args.cmd == "ssh":
+            host = load_host(args.name)
+            if not host:
+                raise LabError(f"no lab host {args.name}")
+            return subprocess.call([*ssh_base(host), " ".join(args.command)])
+    except LabError as exc:
+        log(f"error: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Helpers for tests that drive the real lab and real ansible-playbook runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAB = REPO / "tests" / "lab" / "lab.py"
+BIN = Path(sys.executable).parent
+
+
+def lab(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(LAB), *args], capture_output=True, text=True, check=check)
+
+
+def lab_ssh(host: str, command: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(LAB), "ssh", host, command], capture_output=True, text=True)
+
+
+@dataclass
+class PlaybookRun:
+    rc: int
+    output: str
+
+    def recap(self) -> dict[str, dict[str, int]]:
+        """Per host: ok/changed/unreachable/failed/... counts from the PLAY RECAP."""
+        result = {}
+        for m in re.finditer(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", self.output, re.M):
+            result[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+        return result
+
+
+def playbook(*args: str, env: dict[str, str] | None = None, timeout: int = 1200) -> PlaybookRun:
+    full_env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_FORCE_COLOR="0",
+                    ANSIBLE_NOCOLOR="1", **(env or {}))
+    proc = subprocess.run([str(BIN / "ansible-playbook"), *args], cwd=REPO, capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+    return PlaybookRun(proc.returncode, proc.stdout + proc.stderr)

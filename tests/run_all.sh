@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# `make test`: lint, molecule scenarios, then unit + integration tests in one pytest run.
+# Every stage runs even when an earlier one failed; the lab is always torn down.
+set -u
+cd "$(dirname "$0")/.."
+trap '.venv/bin/python tests/lab/lab.py down >/dev/null 2>&1 || true' EXIT
+status=0
+stage() { echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
+stage "lint: ruff" .venv/bin/ruff check .
+stage "lint: ansible-lint (production profile)" .venv/bin/ansible-lint --profile production -q
+stage "molecule" tests/molecule/run.sh
+stage "pytest: unit + integration" .venv/bin/pytest tests/unit tests/integration -q -p no:cacheprovider
+exit $status
