@@ -76,12 +76,12 @@ def ensure_control_packages() -> None:
     run(["apt-get", "install", "-y", "-qq", *missing], env=env, timeout=900)
 
 
-def debian_mirror() -> str:
+def debian_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
     """The Debian mirror this machine's apt already uses (never a hard-coded host)."""
     override = os.environ.get("HSX_LAB_MIRROR")
     if override:
         return override
-    sources = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]
+    sources = [apt_dir / "sources.list", *sorted((apt_dir / "sources.list.d").glob("*"))]
     for src in sources:
         if not src.is_file():
             continue
@@ -92,7 +92,7 @@ def debian_mirror() -> str:
         for m in re.finditer(r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+(\S+)", text, re.M):
             if m.group(2) == SUITE:
                 return m.group(1)
-    raise LabError(f"no Debian {SUITE} mirror found in /etc/apt sources; set HSX_LAB_MIRROR")
+    raise LabError(f"no Debian {SUITE} mirror found in {apt_dir} sources; set HSX_LAB_MIRROR")
 
 
 def lab_key() -> Path:

@@ -1,0 +1,44 @@
+"""Pure parts of the lab tool (no root needed): mirror discovery and naming."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("lab", Path(__file__).resolve().parents[1] / "lab" / "lab.py")
+lab = importlib.util.module_from_spec(_spec)
+sys.modules["lab"] = lab  # dataclasses look their module up by name
+_spec.loader.exec_module(lab)
+
+
+def test_mirror_from_deb822_sources(tmp_path, monkeypatch):
+    monkeypatch.delenv("HSX_LAB_MIRROR", raising=False)
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://mirror.invalid/debian-security\nSuites: bookworm-security\n\n"
+        "Types: deb\nURIs: http://mirror.invalid/debian\nSuites: bookworm bookworm-updates\nComponents: main\n")
+    assert lab.debian_mirror(tmp_path) == "http://mirror.invalid/debian"
+
+
+def test_mirror_from_one_line_sources(tmp_path, monkeypatch):
+    monkeypatch.delenv("HSX_LAB_MIRROR", raising=False)
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list").write_text("deb [arch=amd64] http://mirror.invalid/deb bookworm main\n")
+    assert lab.debian_mirror(tmp_path) == "http://mirror.invalid/deb"
+
+
+def test_no_mirror_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("HSX_LAB_MIRROR", raising=False)
+    (tmp_path / "sources.list.d").mkdir()
+    with pytest.raises(lab.LabError, match="no Debian bookworm mirror"):
+        lab.debian_mirror(tmp_path)
+
+
+def test_host_names_and_addresses_are_prefixed_and_distinct():
+    hosts = [lab.Host.make(i, "rw", "512M") for i in range(1, 9)]
+    assert all(h.name.startswith("hsxlab-") for h in hosts)
+    assert len({h.address for h in hosts}) == 8
+    assert all(len(h.veth) <= 15 for h in hosts)  # kernel limit on interface names
