@@ -28,4 +28,3 @@ def lab_hosts(request):
     lab("up", str(count))
     yield [f"hsxlab-{i}" for i in range(1, count + 1)]
     lab("down", check=False)
-    lab("inventory", check=False)

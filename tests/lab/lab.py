@@ -10,6 +10,8 @@ nothing else.
     lab.py up N [--data-size 512M] [--no-data NAME...] [--ro-data NAME...]
     lab.py down | status | inventory [--out FILE] | ensure | ssh NAME CMD...
 
+Ansible reads the running hosts through inventory/lab/lab_hosts.py (a dynamic inventory).
+
 Runs as root, stdlib only (it must work before any venv exists).
 """
 
@@ -29,12 +31,17 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-PREFIX = "hsxlab"
+# HSX_LAB_ID (one digit) runs a separate lab beside the default one: its own names, subnet and
+# hosts, so two engineers (or a test run and a demo) never tear down each other's hosts.
+LAB_ID = os.environ.get("HSX_LAB_ID", "")
+if LAB_ID and not (LAB_ID.isdigit() and len(LAB_ID) == 1):
+    sys.exit(f"lab: HSX_LAB_ID must be one digit, not {LAB_ID!r}")
+PREFIX = f"hsxlab{LAB_ID}"
+SUBNET = f"10.{213 + int(LAB_ID or 0)}"
 SUITE = "bookworm"
 CACHE = Path(os.environ.get("HSX_LAB_CACHE", "/var/cache/hsx-lab"))
 STATE = Path(os.environ.get("HSX_LAB_STATE", "/var/lib/hsx-lab"))
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_INVENTORY = REPO / "inventory" / "lab" / "hosts.yml"
 # Packages inside every host. python3-venv: extraction_deploy builds a venv on the host.
 ROOTFS_PACKAGES = [
     "systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "openssh-server",
@@ -216,12 +223,16 @@ class Host:
 
     @property
     def veth(self) -> str:
-        return f"{PREFIX[:4]}l-{self.index}"
+        return veth_name(self.index)
 
     @classmethod
     def make(cls, index: int, data: str, data_size: str) -> Host:
-        return cls(name=f"{PREFIX}-{index}", index=index, address=f"10.213.{index}.2",
-                   peer=f"10.213.{index}.1", data=data, data_size=data_size)
+        return cls(name=f"{PREFIX}-{index}", index=index, address=f"{SUBNET}.{index}.2",
+                   peer=f"{SUBNET}.{index}.1", data=data, data_size=data_size)
+
+
+def veth_name(index: int) -> str:
+    return f"hxl{LAB_ID}-{index}"  # interface names are limited to 15 characters
 
 
 def host_names_on_disk() -> list[str]:
@@ -278,8 +289,7 @@ def cleanup(name: str) -> None:
             run(["losetup", "-d", line.split(":")[0]], check=False)
     if name in _netns_names():
         run(["ip", "netns", "delete", name], check=False)
-    index = name.rsplit("-", 1)[1]
-    veth = f"{PREFIX[:4]}l-{index}"
+    veth = veth_name(int(name.rsplit("-", 1)[1]))
     if Path(f"/sys/class/net/{veth}").exists():
         run(["ip", "link", "delete", veth], check=False)
     shutil.rmtree(host_dir, ignore_errors=True)
@@ -386,7 +396,6 @@ def up(count: int, data_size: str, no_data: set[str], ro_data: set[str], start: 
     if errors:
         raise LabError("\n".join(errors))
     log(f"{count} host(s) running in {time.monotonic() - t0:.1f}s")
-    write_inventory(DEFAULT_INVENTORY)
     return hosts
 
 
@@ -401,17 +410,29 @@ def running_hosts() -> list[Host]:
     return [h for h in hosts if h and h.pid and Path(f"/proc/{h.pid}").exists()]
 
 
+def inventory_data() -> dict:
+    """The running hosts as Ansible's JSON inventory (what inventory/lab/lab_hosts.py prints)."""
+    hosts = running_hosts()
+    return {
+        "lab": {
+            "hosts": [h.name for h in hosts],
+            "vars": {
+                "ansible_user": "root",
+                "ansible_ssh_private_key_file": str(CACHE / "lab_key"),
+                "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"
+                                           " -o LogLevel=ERROR",
+                "ansible_python_interpreter": "/usr/bin/python3",
+            },
+        },
+        "_meta": {"hostvars": {h.name: {"ansible_host": h.address, "lab_data_mode": h.data,
+                                        "lab_data_size": h.data_size} for h in hosts}},
+    }
+
+
 def write_inventory(path: Path) -> None:
-    lines = ["# Written by tests/lab/lab.py: the lab's running hosts. Do not edit.", "lab:", "  hosts:"]
-    for h in running_hosts():
-        lines += [f"    {h.name}:", f"      ansible_host: {h.address}", f"      lab_data_mode: {h.data}"]
-    if not running_hosts():
-        lines[-1] = "  hosts: {}"
-    lines += ["  vars:", "    ansible_user: root", f"    ansible_ssh_private_key_file: {lab_key()}",
-              "    ansible_ssh_common_args: >-", "      -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
-              "      -o LogLevel=ERROR", "    ansible_python_interpreter: /usr/bin/python3"]
+    """A static copy of the lab inventory, for tools that cannot run the dynamic one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(json.dumps(inventory_data(), indent=2) + "\n")
 
 
 def status() -> int:
@@ -440,8 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--ro-data", nargs="*", default=[], metavar="NAME", help="hosts with /data read-only")
     sub.add_parser("down", help="remove every lab host")
     sub.add_parser("status", help="list lab hosts")
-    p_inv = sub.add_parser("inventory", help="write the Ansible inventory of running hosts")
-    p_inv.add_argument("--out", type=Path, default=DEFAULT_INVENTORY)
+    p_inv = sub.add_parser("inventory", help="print (or write) the Ansible inventory of running hosts as JSON")
+    p_inv.add_argument("--out", type=Path)
     sub.add_parser("ensure", help="install what the lab needs and build the rootfs")
     p_ssh = sub.add_parser("ssh", help="run a command on a host")
     p_ssh.add_argument("name")
@@ -455,7 +476,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "status":
             return status()
         elif args.cmd == "inventory":
-            write_inventory(args.out)
+            if args.out:
+                write_inventory(args.out)
+            else:
+                print(json.dumps(inventory_data(), indent=2))
         elif args.cmd == "ensure":
             ensure_control_packages()
             print(ensure_rootfs())

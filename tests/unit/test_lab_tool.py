@@ -37,6 +37,15 @@ def test_no_mirror_is_a_clear_error(tmp_path, monkeypatch):
         lab.debian_mirror(tmp_path)
 
 
+def test_inventory_lists_no_hosts_when_none_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(lab, "STATE", tmp_path)
+    monkeypatch.setattr(lab, "_netns_names", lambda: [])
+    monkeypatch.setattr(lab, "_safe_cgroup_roots", lambda: [])
+    data = lab.inventory_data()
+    assert data["lab"]["hosts"] == []
+    assert data["lab"]["vars"]["ansible_user"] == "root"
+
+
 def test_host_names_and_addresses_are_prefixed_and_distinct():
     hosts = [lab.Host.make(i, "rw", "512M") for i in range(1, 9)]
     assert all(h.name.startswith("hsxlab-") for h in hosts)
