@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -41,3 +42,17 @@ def playbook(*args: str, env: dict[str, str] | None = None, timeout: int = 1200)
     proc = subprocess.run([str(BIN / "ansible-playbook"), *args], cwd=REPO, capture_output=True, text=True,
                           env=full_env, timeout=timeout)
     return PlaybookRun(proc.returncode, proc.stdout + proc.stderr)
+
+
+def lab_push(host: str, local: Path, remote: str) -> None:
+    """Copy a local file or directory to a lab host (scp with the lab key)."""
+    spec = importlib.util.spec_from_file_location("hsx_lab_for_push", LAB)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    h = mod.load_host(host)
+    ssh = mod.ssh_base(h)
+    subprocess.run([*ssh, f"mkdir -p {remote}"], check=True, capture_output=True)
+    scp_opts = ssh[1:-1]  # ssh's options; scp takes the same
+    subprocess.run(["scp", "-r", "-q", *scp_opts, f"{local}/.", f"root@{h.address}:{remote}/"],
+                   check=True, capture_output=True)

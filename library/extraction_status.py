@@ -1,0 +1,240 @@
+#!/usr/bin/python
+"""Ansible module: where an extraction stands on a host (status.json + the index)."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: extraction_status
+short_description: Report the progress of a hidden-state extraction on a host
+description:
+  - Reads C(status.json) and the shard index of an extraction output directory and returns how
+    many samples are done, the total, the rate, the ETA, the run state, whether the extraction
+    process is alive and whether it made progress recently.
+  - The index is the truth for C(done); C(status.json) (rewritten every few seconds by the running
+    extraction) gives the state, total, rate and the process id.
+  - Works on hosts where the extraction package is not installed (the code ships with the module).
+  - Never changes anything; safe in check mode.
+version_added: "0.1.0"
+author: hsx team
+options:
+  output_dir:
+    description: The extraction output directory (holds C(run.json), C(index.jsonl), C(status.json)).
+    type: path
+    required: true
+  progress_window:
+    description:
+      - Seconds within which C(done) must have grown (by the status history) or the status been
+        refreshed by a live process for C(making_progress) to be true.
+    type: int
+    default: 120
+  min_done_increase:
+    description: With I(baseline_done), how many more samples than the baseline count as progress.
+    type: int
+    default: 1
+  baseline_done:
+    description:
+      - A C(done) count read earlier (for example before a restart). When given, C(making_progress)
+        also requires C(done >= baseline_done + min_done_increase).
+    type: int
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: none
+notes:
+  - A status written on another host (shared storage) cannot have its process checked;
+    C(pid_alive) is then null.
+"""
+
+EXAMPLES = r"""
+- name: Read the extraction's progress
+  extraction_status:
+    output_dir: /data/hsx/output
+  register: progress
+
+- name: Wait until the extraction is making progress
+  extraction_status:
+    output_dir: /data/hsx/output
+    progress_window: 60
+  register: progress
+  until: progress.making_progress
+  retries: 30
+  delay: 5
+"""
+
+RETURN = r"""
+exists:
+  description: Whether the output directory exists.
+  type: bool
+  returned: always
+has_manifest:
+  description: Whether C(run.json) exists (a run was started here).
+  type: bool
+  returned: always
+state:
+  description: The run state from status.json (running, done, paused, disk low, failed, interrupted), or C(none).
+  type: str
+  returned: always
+done:
+  description: Completed samples according to the index.
+  type: int
+  returned: always
+total:
+  description: Samples this run is assigned (from status.json), or null when unknown.
+  type: int
+  returned: always
+remaining:
+  description: total - done, or null.
+  type: int
+  returned: always
+samples_per_s:
+  description: The run's recent rate.
+  type: float
+  returned: always
+eta_s:
+  description: Seconds to completion at the current rate, or null.
+  type: float
+  returned: always
+bytes_done:
+  description: Bytes of indexed shards.
+  type: int
+  returned: always
+bytes_per_sample:
+  description: Mean indexed shard size, or null before the first shard.
+  type: int
+  returned: always
+pid:
+  description: Process id of the extraction that wrote status.json.
+  type: int
+  returned: always
+pid_alive:
+  description: Whether that process runs (null when it ran on another host).
+  type: bool
+  returned: always
+status_age_s:
+  description: Seconds since status.json was last updated.
+  type: float
+  returned: always
+last_progress_age_s:
+  description: Seconds since C(done) last grew, from the status history (null when unknown).
+  type: float
+  returned: always
+making_progress:
+  description: The process is alive, the state is running and done grew within I(progress_window).
+  type: bool
+  returned: always
+message:
+  description: The status message (for example why the run paused).
+  type: str
+  returned: always
+index_bad_lines:
+  description: Damaged index lines (not counting a torn last line).
+  type: int
+  returned: always
+"""
+
+import datetime
+import os
+import time
+from typing import Any
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.hsx_shard_format import MANIFEST_NAME, read_index
+from ansible.module_utils.hsx_status import pid_alive, read_status
+
+
+def _parse_time(text: Any) -> float | None:
+    try:
+        return datetime.datetime.fromisoformat(str(text)).timestamp()
+    except ValueError:
+        return None
+
+
+def last_progress_time(history: list[Any]) -> float | None:
+    """When `done` last grew, from the (time, done) history status.json keeps."""
+    points = [(float(t), int(d)) for t, d in history if isinstance(t, int | float)] if history else []
+    for (_, d_prev), (t, d) in zip(reversed(points[:-1]), reversed(points), strict=False):
+        if d > d_prev:
+            return t
+    return None
+
+
+class ExtractionStatus:
+    """Combines status.json and the index into the module's answer; pure and testable."""
+
+    def __init__(self, output_dir: str, progress_window: int, baseline_done: int | None = None,
+                 min_done_increase: int = 1, now: float | None = None):
+        self.output_dir = output_dir
+        self.progress_window = progress_window
+        self.baseline_done = baseline_done
+        self.min_done_increase = min_done_increase
+        self.now = now if now is not None else time.time()
+
+    def read(self) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "exists": os.path.isdir(self.output_dir),
+            "has_manifest": os.path.isfile(os.path.join(self.output_dir, MANIFEST_NAME)),
+            "state": "none", "done": 0, "total": None, "remaining": None, "samples_per_s": 0.0,
+            "eta_s": None, "bytes_done": 0, "bytes_per_sample": None, "pid": None, "pid_alive": False,
+            "status_age_s": None, "last_progress_age_s": None, "making_progress": False, "message": "",
+            "index_bad_lines": 0,
+        }
+        if not result["exists"]:
+            result["message"] = f"{self.output_dir} does not exist"
+            return result
+        index = read_index(self.output_dir)
+        result["done"] = len(index.entries)
+        result["index_bad_lines"] = index.bad_lines
+        result["bytes_done"] = sum(e.size for e in index.entries.values())
+        if index.entries:
+            result["bytes_per_sample"] = result["bytes_done"] // len(index.entries)
+        try:
+            status = read_status(self.output_dir)
+        except (OSError, ValueError):
+            result["message"] = "no readable status.json (the extraction has not run here yet)"
+            return result
+        total = status.get("total")
+        result.update(
+            state=str(status.get("state", "none")), total=total, message=str(status.get("message") or ""),
+            samples_per_s=float(status.get("samples_per_s") or 0.0), eta_s=status.get("eta_s"),
+            pid=status.get("pid"), pid_alive=pid_alive(status.get("pid"), status.get("host")),
+        )
+        if isinstance(total, int):
+            result["remaining"] = max(total - result["done"], 0)
+        updated = _parse_time(status.get("updated_at"))
+        if updated is not None:
+            result["status_age_s"] = round(self.now - updated, 1)
+        progressed = last_progress_time(status.get("history") or [])
+        if progressed is not None:
+            result["last_progress_age_s"] = round(self.now - progressed, 1)
+        result["making_progress"] = self._making_progress(result)
+        return result
+
+    def _making_progress(self, r: dict[str, Any]) -> bool:
+        if r["state"] != "running" or r["pid_alive"] is False:
+            return False
+        recent = r["last_progress_age_s"] is not None and r["last_progress_age_s"] <= self.progress_window
+        if self.baseline_done is not None:
+            return recent and r["done"] >= self.baseline_done + self.min_done_increase
+        return recent
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "output_dir": {"type": "path", "required": True},
+            "progress_window": {"type": "int", "default": 120},
+            "baseline_done": {"type": "int"},
+            "min_done_increase": {"type": "int", "default": 1},
+        },
+        supports_check_mode=True,
+    )
+    p = module.params
+    result = ExtractionStatus(p["output_dir"], p["progress_window"], p["baseline_done"],
+                              p["min_done_increase"]).read()
+    module.exit_json(changed=False, **result)
+
+
+if __name__ == "__main__":
+    main()

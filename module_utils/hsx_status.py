@@ -1,0 +1,1 @@
+../extraction/status.py

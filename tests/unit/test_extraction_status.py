@@ -1,0 +1,105 @@
+"""library/extraction_status: progress from status.json + the index, as the playbooks see it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+from ansible.module_utils.testing import patch_module_args
+
+from extraction.shards.format import INDEX_NAME, encode_index_line
+from extraction.status import now_iso, write_json_atomic
+
+from ansible_modules import load_module
+
+extraction_status = load_module("extraction_status")
+
+
+def plant(out: Path, done: int, status: dict | None, torn_tail: bool = False) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.json").write_text("{}")
+    with open(out / INDEX_NAME, "wb") as f:
+        for i in range(done):
+            f.write(encode_index_line({"id": f"s{i}", "path": f"shards/00/s{i}.pt", "size": 1000 + i,
+                                       "checksum": "crc32:00000000", "num_tokens": 10}))
+        if torn_tail:
+            f.write(b'{"id": "half')
+    if status is not None:
+        write_json_atomic(str(out / "status.json"), status)
+
+
+def status(state="running", done=5, total=10, history=None, pid=None, age=0.0):
+    now = time.time()
+    return {"state": state, "done": done, "total": total, "samples_per_s": 2.0, "eta_s": 2.5,
+            "pid": pid or os.getpid(), "host": socket.gethostname(), "updated_at": now_iso(now - age),
+            "history": history if history is not None else [[now - 30, done - 2], [now - 5, done]],
+            "message": ""}
+
+
+def test_running_job_with_recent_progress(tmp_path):
+    plant(tmp_path, 5, status())
+    r = extraction_status.ExtractionStatus(str(tmp_path), progress_window=60).read()
+    assert (r["done"], r["total"], r["remaining"]) == (5, 10, 5)
+    assert r["pid_alive"] is True
+    assert r["making_progress"] is True
+    assert r["bytes_per_sample"] == (sum(1000 + i for i in range(5))) // 5
+    assert 4 <= r["last_progress_age_s"] <= 7
+
+
+def test_stale_progress_is_not_progress(tmp_path):
+    now = time.time()
+    plant(tmp_path, 5, status(history=[[now - 600, 3], [now - 500, 5], [now - 1, 5]]))
+    r = extraction_status.ExtractionStatus(str(tmp_path), progress_window=60).read()
+    assert r["making_progress"] is False
+    assert r["last_progress_age_s"] >= 499
+
+
+def test_dead_process_is_not_progress(tmp_path):
+    plant(tmp_path, 5, status(pid=2**22 + 12345))
+    r = extraction_status.ExtractionStatus(str(tmp_path), progress_window=60).read()
+    assert r["pid_alive"] is False
+    assert r["making_progress"] is False
+
+
+def test_paused_disk_low_reports_the_message(tmp_path):
+    st = status(state="paused: disk low")
+    st["message"] = "free 1.0 GiB < reserve 2.0 GiB"
+    plant(tmp_path, 5, st)
+    r = extraction_status.ExtractionStatus(str(tmp_path), progress_window=60).read()
+    assert r["state"] == "paused: disk low" and "reserve" in r["message"]
+    assert r["making_progress"] is False
+
+
+def test_index_is_the_truth_for_done_and_a_torn_tail_is_tolerated(tmp_path):
+    plant(tmp_path, 7, status(done=3), torn_tail=True)
+    r = extraction_status.ExtractionStatus(str(tmp_path), progress_window=60).read()
+    assert r["done"] == 7 and r["index_bad_lines"] == 0
+
+
+def test_baseline_requires_growth(tmp_path):
+    plant(tmp_path, 5, status())
+    assert not extraction_status.ExtractionStatus(str(tmp_path), 60, baseline_done=5).read()["making_progress"]
+    assert extraction_status.ExtractionStatus(str(tmp_path), 60, baseline_done=4).read()["making_progress"]
+
+
+def test_missing_output_and_missing_status(tmp_path):
+    r = extraction_status.ExtractionStatus(str(tmp_path / "nope"), 60).read()
+    assert r["exists"] is False and r["done"] == 0 and "does not exist" in r["message"]
+    plant(tmp_path, 2, None)
+    r = extraction_status.ExtractionStatus(str(tmp_path), 60).read()
+    assert r["done"] == 2 and r["state"] == "none" and "no readable status.json" in r["message"]
+
+
+def test_module_entry_point_is_check_mode_safe(tmp_path, capsys):
+    plant(tmp_path, 3, status(done=3))
+    before = sorted(os.listdir(tmp_path))
+    with patch_module_args({"output_dir": str(tmp_path), "_ansible_check_mode": True}):
+        with pytest.raises(SystemExit) as exc:
+            extraction_status.main()
+    assert exc.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["changed"] is False and out["done"] == 3
+    assert sorted(os.listdir(tmp_path)) == before
