@@ -6,14 +6,14 @@ import json
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 from ansible.module_utils.testing import patch_module_args
+from ansible_modules import load_module
 
 from extraction.shards.format import INDEX_NAME, encode_index_line
 from extraction.status import now_iso, write_json_atomic
-
-from ansible_modules import load_module
 
 extraction_status = load_module("extraction_status")
 
