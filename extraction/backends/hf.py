@@ -1,0 +1,161 @@
+"""In-process transformers backend: the real forward pass of a (small) target on CPU or CUDA.
+
+For the lab, tests and benchmarks. A batch is right-padded to its longest sample with an attention
+mask; each sample's states are sliced back to its own length and copied to the host, contiguous,
+so a shard never drags the batch's storage along (torch.save writes a view's whole storage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from extraction.backends.base import ModelInfo, Sample, SampleStates
+
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """'bf16' / 'bfloat16' / ... -> torch dtype; ValueError names the accepted spellings."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of bf16, fp16, fp32") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16' (run.json's spelling)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def model_revision(model_dir: str | os.PathLike) -> str:
+    """A cheap identity for a model directory that survives moving it: a hub snapshot's commit
+    when the path has one, else a hash of config.json plus the weight file names and sizes."""
+    path = Path(model_dir).resolve()
+    if path.parent.name == "snapshots" and len(path.name) == 40:
+        return path.name
+    h = hashlib.sha256()
+    config = path / "config.json"
+    if config.exists():
+        h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
+    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        h.update(f"{f.name}:{f.stat().st_size}\n".encode())
+    return "cfg-" + h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+class HFBackend:
+    """Batched forward with output_hidden_states; states are canonical-layer HF hidden_states."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        layer_ids: list[int] | None = None,
+        dtype: str = "bf16",
+        device: str = "cpu",
+        attn_implementation: str | None = "eager",
+    ):
+        from transformers import AutoConfig, AutoModel
+
+        self.model_dir = str(model_dir)
+        self.dtype = torch_dtype(dtype)
+        self.device = torch.device(device)
+        config = AutoConfig.from_pretrained(self.model_dir)
+        kwargs = {"dtype": self.dtype}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        # AutoModel = the decoder without lm_head: no [B, L, vocab] logits we would throw away
+        # (transformers reports the unused lm_head weight as "UNEXPECTED": expected here, so quiet).
+        with _quiet_transformers():
+            self.model = AutoModel.from_pretrained(self.model_dir, config=config, **kwargs)
+        self.model.to(self.device).eval()
+        self.config = config
+        text = getattr(config, "text_config", None) or config
+        self.num_layers = int(text.num_hidden_layers)
+        self.hidden_size = int(text.hidden_size)
+        self.vocab_size = int(text.vocab_size)
+        self.pad_id = int(getattr(text, "pad_token_id", None) or 0)
+        self.layer_ids = list(layer_ids) if layer_ids is not None else None
+
+    def set_layers(self, layer_ids: list[int]) -> None:
+        self.layer_ids = list(layer_ids)
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            model=Path(self.model_dir).resolve().name,
+            revision=model_revision(self.model_dir),
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            vocab_size=self.vocab_size,
+            dtype=dtype_name(self.dtype),
+        )
+
+    @torch.inference_mode()
+    def extract(self, samples: list[Sample]) -> list[SampleStates]:
+        if not samples:
+            return []
+        if self.layer_ids is None:
+            raise RuntimeError("HFBackend: capture layers not set")
+        lengths = [int(s.input_ids.numel()) for s in samples]
+        width = max(lengths)
+        ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(samples), width), dtype=torch.long)
+        for row, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+            ids[row, :n] = s.input_ids
+            mask[row, :n] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask if min(lengths) < width else None,
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        hs = out.hidden_states
+        final = hs[-1]
+        aux = torch.cat([hs[i] for i in self.layer_ids], dim=-1)
+        final_cpu, aux_cpu = final.to("cpu"), aux.to("cpu")
+        results = []
+        for row, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+            results.append(
+                SampleStates(
+                    sample_id=s.sample_id,
+                    input_ids=s.input_ids,
+                    hidden_state=final_cpu[row, :n].clone(),
+                    aux_hidden_state=aux_cpu[row, :n].clone(),
+                )
+            )
+        return results
+
+    def close(self) -> None:
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,34 @@
+"""`hsx extract`: resumable, crash-safe hidden-state extraction (exit 0/1/2/75/130/143)."""
+
+from __future__ import annotations
+
+import argparse
+
+from extraction import config
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "extract",
+        help="extract hidden states into an output directory (resumable)",
+        description=(
+            "Extract EAGLE-3 hidden states, one shard per sample, resuming where a previous run "
+            "stopped. Exit codes: 0 done, 1 failed, 2 usage/I-O error, 75 paused (disk low), "
+            "130/143 interrupted."
+        ),
+    )
+    config.add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    try:
+        cfg = config.build_config(args)
+    except config.ConfigError as e:
+        print(f"hsx extract: {e}", file=sys.stderr)
+        return 2
+    from extraction.runner import Runner
+
+    return Runner(cfg).run()

@@ -1,0 +1,56 @@
+"""`hsx status OUTPUT [OUTPUT...]`: a run's status.json for people (or --json), summed over nodes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from extraction.status import describe, pid_alive, read_status, summarize
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("status", help="show the progress of one or more extraction outputs")
+    p.add_argument("outputs", nargs="+", metavar="OUTPUT", help="output directory of `hsx extract`")
+    p.add_argument("--json", action="store_true", help="print JSON (one object; 'outputs' and 'total')")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    statuses, code = [], 0
+    for out in args.outputs:
+        try:
+            s = read_status(out)
+        except FileNotFoundError:
+            print(
+                f"hsx status: {out}: no status.json (not an extraction output, or not started)",
+                file=sys.stderr,
+            )
+            code = 2
+            continue
+        except (OSError, ValueError) as e:
+            print(f"hsx status: {out}: unreadable status.json: {e}", file=sys.stderr)
+            code = 2
+            continue
+        s.setdefault("output", os.path.abspath(out))
+        s["pid_alive"] = pid_alive(s.get("pid"), s.get("host"))
+        if s.get("state") in ("running", "starting") and s["pid_alive"] is False:
+            s["state_note"] = "the process is gone: crashed or killed; run hsx extract again to resume"
+        statuses.append(s)
+    if args.json:
+        payload = {"outputs": statuses, "total": summarize(statuses) if statuses else None}
+        print(json.dumps(payload, indent=2, sort_keys=True))
+        return code
+    for s in statuses:
+        print(describe(s))
+        if s.get("state_note"):
+            print(f"  NOTE: {s['state_note']}")
+    if len(statuses) > 1:
+        t = summarize(statuses)
+        pct = f" ({100 * t['done'] / t['total']:.1f}%)" if t["total"] else ""
+        print(
+            f"TOTAL over {t['outputs']} outputs: done {t['done']}/{t['total']}{pct}, errors {t['errors']}, "
+            f"{t['samples_per_s']} samples/s, ETA {t['eta_s'] if t['eta_s'] is not None else '?'} s"
+        )
+    return code

@@ -1,0 +1,194 @@
+"""`hsx extract` options: one table feeds argparse and the YAML config file; the CLI wins.
+
+The job unit runs extraction from a config file, people run it from a shell; both must accept
+exactly the same options with the same checks, so each option is declared once here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+BACKENDS = ("hf", "sglang")
+DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+
+
+class ConfigError(ValueError):
+    """A bad option value or config file; the message names the option and the source."""
+
+
+def parse_bytes(value: Any) -> int:
+    """'10G', '512MiB', '2.5T', 1000 -> bytes (powers of 1024 for K/M/G/T, with or without 'iB')."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int | float):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?b)?\s*", str(value), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a size: {value!r} (e.g. 500G, 2T, 1048576)")
+    power = " kmgtp".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * 1024**power)
+
+
+@dataclass
+class ExtractConfig:
+    """Every `hsx extract` option. None = unset (a default or a derived value applies)."""
+
+    model: str | None = None
+    dataset: str | None = None
+    output: str | None = None
+    backend: str = "hf"
+    server_url: str | None = None
+    dump_dir: str | None = None
+    layers: str = "auto"
+    layer_convention: str = "sglang"
+    dtype: str = "bf16"
+    device: str = "cpu"
+    max_length: int | None = None
+    batch_size: int = 8
+    concurrency: int = 8
+    reserve_bytes: int | None = None
+    max_consecutive_errors: int = 20
+    retries: int = 3
+    retry_backoff: float = 1.0
+    shard_index: int = 0
+    num_shards: int = 1
+    limit: int | None = None
+    status_interval: float = 3.0
+    progress: str = "auto"  # auto | on | off (tqdm bar; auto = only on a terminal)
+
+    def check(self) -> None:
+        missing = [n for n in ("model", "dataset", "output") if not getattr(self, n)]
+        if missing:
+            raise ConfigError(f"missing required option(s): {', '.join('--' + m for m in missing)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "sglang" and not self.server_url:
+            raise ConfigError("--backend sglang needs --server-url")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        for name in ("batch_size", "concurrency", "num_shards", "max_consecutive_errors"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_length", "limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ConfigError(f"--shard-index must be in 0..{self.num_shards - 1}, got {self.shard_index}")
+        if self.retries < 0:
+            raise ConfigError(f"--retries must be >= 0, got {self.retries}")
+        if self.progress not in ("auto", "on", "off"):
+            raise ConfigError(f"--progress must be auto, on or off, got {self.progress!r}")
+
+
+_CONVERTERS: dict[str, Any] = {
+    "max_length": int,
+    "batch_size": int,
+    "concurrency": int,
+    "reserve_bytes": parse_bytes,
+    "max_consecutive_errors": int,
+    "retries": int,
+    "retry_backoff": float,
+    "shard_index": int,
+    "num_shards": int,
+    "limit": int,
+    "status_interval": float,
+}
+
+_HELP = {
+    "model": "model directory (config, weights, tokenizer with chat template)",
+    "dataset": "JSONL conversations (ShareGPT or OpenAI shape)",
+    "output": "output directory (run.json, index.jsonl, shards/, status.json, errors.jsonl)",
+    "backend": "hf (in-process transformers) or sglang (patched server)",
+    "server_url": "SGLang server URL (sglang backend)",
+    "dump_dir": "directory the patched SGLang server dumps into (sglang backend; default $HSX_DUMP_DIR)",
+    "layers": "capture layers: auto = [2, N//2, N-3], or a,b,c (optionally 'specforge:a,b,c')",
+    "layer_convention": "numbering of explicit --layers: sglang (= HF hidden_states index) or specforge (+1)",
+    "dtype": "hidden-state dtype",
+    "device": "hf backend device (cpu, cuda, cuda:1)",
+    "max_length": "truncate samples to this many tokens (recorded per sample)",
+    "batch_size": "samples per forward (hf) / per round of requests (sglang)",
+    "concurrency": "requests in flight (sglang)",
+    "reserve_bytes": "keep at least this much free (e.g. 200G); default max(2%% of fs, 10 shards)",
+    "max_consecutive_errors": "abort after this many failed samples in a row",
+    "retries": "retries per sample before it is logged as failed",
+    "retry_backoff": "first retry delay in seconds (doubles each time)",
+    "shard_index": "this node's part of the dataset (0-based)",
+    "num_shards": "number of nodes splitting the dataset by a hash of the sample id",
+    "limit": "process at most this many of this node's samples",
+    "status_interval": "seconds between status.json updates",
+    "progress": "tqdm bar: auto (on a terminal), on, off",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options default to None so a value from the config file is only overridden when given."""
+    parser.add_argument("--config", help="YAML file with any of these options (the command line wins)")
+    for f in fields(ExtractConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"default": None, "help": _HELP.get(f.name), "dest": f.name}
+        if f.name in _CONVERTERS:
+            kwargs["type"] = _CONVERTERS[f.name]
+        if f.name == "backend":
+            kwargs["choices"] = BACKENDS
+        if f.name == "dtype":
+            kwargs["choices"] = DTYPE_CHOICES
+        parser.add_argument(flag, **kwargs)
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: config must be a mapping of option: value")
+    return data
+
+
+def build_config(args: argparse.Namespace | dict[str, Any]) -> ExtractConfig:
+    """Defaults <- YAML (--config) <- command line; converts and checks every value."""
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    names = {f.name for f in fields(ExtractConfig)}
+    merged: dict[str, Any] = {}
+    path = given.get("config")
+    if path:
+        for key, value in load_yaml(path).items():
+            name = str(key).replace("-", "_")
+            if name not in names:
+                raise ConfigError(f"{path}: unknown option {key!r}")
+            merged[name] = value
+    for name in names:
+        if given.get(name) is not None:
+            merged[name] = given[name]
+    source = path or "command line"
+    for name, value in list(merged.items()):
+        if value is None:
+            continue
+        conv = _CONVERTERS.get(name)
+        try:
+            if conv is not None:
+                merged[name] = conv(value)
+            elif name == "layers" and isinstance(value, list):
+                merged[name] = ",".join(str(int(v)) for v in value)
+            else:
+                merged[name] = str(value) if not isinstance(value, str) else value
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: option {name!r}: {e}") from None
+    for name in ("model", "dataset", "output"):
+        if merged.get(name):
+            merged[name] = os.path.expanduser(merged[name])
+    cfg = ExtractConfig(**merged)
+    cfg.check()
+    return cfg

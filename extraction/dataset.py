@@ -1,0 +1,289 @@
+"""Conversations in, tokenized samples out: ShareGPT and OpenAI JSONL, stable ids, loss masks.
+
+A row's id is its `id` field when it has one, else a hash of its normalized messages, so a
+resume, a second node and a re-ordered file all agree on which sample is which. Rows that cannot
+be used become `RowError`s (line number + reason) and the run goes on without them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from extraction.backends.base import Sample
+
+ROLE_NAMES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+    "tool": "tool",
+    "function": "tool",
+}
+
+
+class RowError(ValueError):
+    """A dataset row that cannot become a sample; `line` is 1-based."""
+
+    def __init__(self, line: int, reason: str, sample_id: str | None = None):
+        self.line = line
+        self.reason = reason
+        self.sample_id = sample_id
+        super().__init__(f"line {line}: {reason}")
+
+    def to_record(self) -> dict[str, Any]:
+        return {"kind": "row", "line": self.line, "sample_id": self.sample_id, "reason": self.reason}
+
+
+@dataclass
+class Conversation:
+    sample_id: str
+    messages: list[dict[str, str]]
+    line: int
+
+
+@dataclass
+class DatasetEntry:
+    """Where a valid row lives, so 37k conversations need not sit in memory at once."""
+
+    sample_id: str
+    line: int
+    offset: int
+
+
+@dataclass
+class DatasetScan:
+    path: str
+    entries: list[DatasetEntry] = field(default_factory=list)
+    errors: list[RowError] = field(default_factory=list)
+    sha256: str = ""
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones, refuse anything else
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise ValueError(f"{where}: only text content parts are supported, got {part!r:.60}")
+        return "".join(parts)
+    raise ValueError(f"{where}: content must be a string, got {type(content).__name__}")
+
+
+def normalize_row(row: Any) -> tuple[str | None, list[dict[str, str]]]:
+    """(given id or None, [{role, content}]) from either shape; ValueError says what is wrong."""
+    if not isinstance(row, dict):
+        raise ValueError(f"row must be a JSON object, got {type(row).__name__}")
+    if "conversations" in row:
+        turns, role_key, text_key, shape = row["conversations"], "from", "value", "conversations"
+    elif "messages" in row:
+        turns, role_key, text_key, shape = row["messages"], "role", "content", "messages"
+    else:
+        raise ValueError("row has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"'{shape}' must be a non-empty list")
+    messages = []
+    for i, turn in enumerate(turns):
+        where = f"{shape}[{i}]"
+        if not isinstance(turn, dict):
+            raise ValueError(f"{where} must be an object")
+        if role_key not in turn or text_key not in turn:
+            raise ValueError(f"{where} needs '{role_key}' and '{text_key}'")
+        role = ROLE_NAMES.get(str(turn[role_key]).lower())
+        if role is None:
+            raise ValueError(f"{where}: unknown role {turn[role_key]!r}")
+        messages.append({"role": role, "content": _content_text(turn[text_key], where)})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("no assistant turn: nothing to train on")
+    given = row.get("id")
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, str | int) or str(given).strip() == "":
+            raise ValueError(f"'id' must be a non-empty string or integer, got {given!r}")
+        given = str(given)
+    return given, messages
+
+
+def content_id(messages: list[dict[str, str]]) -> str:
+    """The stable id of a row without one: a hash of its normalized messages."""
+    canon = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return "h" + hashlib.sha256(canon.encode("utf-8")).hexdigest()[:24]
+
+
+def parse_line(raw: bytes, line: int) -> Conversation:
+    """One JSONL line -> Conversation; RowError with the line number otherwise."""
+    try:
+        row = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RowError(line, f"invalid JSON: {e}") from None
+    try:
+        given, messages = normalize_row(row)
+    except ValueError as e:
+        raise RowError(line, str(e), row.get("id") if isinstance(row, dict) else None) from None
+    return Conversation(given if given is not None else content_id(messages), messages, line)
+
+
+def scan_dataset(path: str | os.PathLike) -> DatasetScan:
+    """Read the file once: valid rows' ids and offsets, row errors (incl. duplicate ids), sha256."""
+    scan = DatasetScan(path=os.fspath(path))
+    digest = hashlib.sha256()
+    first_line: dict[str, int] = {}
+    offset = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            digest.update(raw)
+            start, offset = offset, offset + len(raw)
+            if not raw.strip():
+                continue
+            try:
+                conv = parse_line(raw, line_no)
+            except RowError as e:
+                scan.errors.append(e)
+                continue
+            if conv.sample_id in first_line:
+                scan.errors.append(
+                    RowError(
+                        line_no,
+                        f"duplicate id {conv.sample_id!r} (first on line {first_line[conv.sample_id]})",
+                        conv.sample_id,
+                    )
+                )
+                continue
+            first_line[conv.sample_id] = line_no
+            scan.entries.append(DatasetEntry(conv.sample_id, line_no, start))
+    scan.sha256 = digest.hexdigest()
+    return scan
+
+
+def read_conversations(path: str | os.PathLike, entries: list[DatasetEntry]) -> Iterator[Conversation]:
+    """The conversations of `entries`, re-read from their offsets (in the order given)."""
+    with open(path, "rb") as f:
+        for e in entries:
+            f.seek(e.offset)
+            yield parse_line(f.readline(), e.line)
+
+
+# ---------------------------------------------------------------- tokenization
+
+
+def sha256_text(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def tokenizer_hash(model_dir: str | os.PathLike) -> str:
+    """sha256 over the tokenizer files present in the model directory (names + bytes)."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        p = Path(model_dir) / name
+        if p.is_file():
+            h.update(name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def load_tokenizer(model_dir: str | os.PathLike) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.fspath(model_dir), trust_remote_code=True)
+
+
+def chat_template_of(tokenizer: Any) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default") or json.dumps(template, sort_keys=True)
+    return template
+
+
+class ChatTokenizer:
+    """Applies the target's chat template and marks assistant tokens in the loss mask.
+
+    An assistant turn's span is found by rendering the conversation up to it twice: with the
+    generation prompt (ends where the assistant text starts) and with the turn itself (ends after
+    its closing tokens, which the drafter must learn too). Templates that rewrite earlier turns
+    fall back to finding the content text itself.
+    """
+
+    def __init__(self, tokenizer: Any, max_length: int | None = None):
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.use_offsets = bool(getattr(tokenizer, "is_fast", False))
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def assistant_spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+        spans = []
+        cursor = 0
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self.render(messages[:k], add_generation_prompt=True) if k else ""
+            upto = self.render(messages[: k + 1])
+            if k and text.startswith(before) and text.startswith(upto) and len(before) >= cursor:
+                spans.append((len(before), len(upto)))
+                cursor = len(upto)
+                continue
+            pos = text.find(m["content"], cursor)
+            if pos < 0:
+                raise ValueError(f"assistant turn {k} not found in the rendered chat template")
+            spans.append((pos, pos + len(m["content"])))
+            cursor = pos + len(m["content"])
+        return spans
+
+    def encode(self, conv: Conversation) -> Sample:
+        text = self.render(conv.messages)
+        spans = self.assistant_spans(conv.messages, text)
+        if self.use_offsets:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(enc["input_ids"])
+            mask = [int(any(s < e1 and e > s1 for s1, e1 in spans)) for s, e in enc["offset_mapping"]]
+        else:  # slow tokenizers have no offsets: tokenize piece by piece at span boundaries
+            ids, mask, pos = [], [], 0
+            for s1, e1 in spans + [(len(text), len(text))]:
+                for piece, flag in ((text[pos:s1], 0), (text[s1:e1], 1)):
+                    if piece:
+                        got = self.tokenizer.encode(piece, add_special_tokens=False)
+                        ids += got
+                        mask += [flag] * len(got)
+                pos = e1
+        full = len(ids)
+        truncated = self.max_length is not None and full > self.max_length
+        if truncated:
+            ids, mask = ids[: self.max_length], mask[: self.max_length]
+        if not ids:
+            raise ValueError("the chat template produced no tokens")
+        return Sample(
+            sample_id=conv.sample_id,
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            loss_mask=torch.tensor(mask, dtype=torch.long),
+            truncated=truncated,
+            meta={"line": conv.line, "num_tokens_full": full},
+        )

@@ -1,0 +1,650 @@
+"""The extraction run: dataset -> batches -> backend forward -> background writer -> shards.
+
+Crash safety comes from the shard writer (temp -> fsync -> rename -> index line); this module
+adds what a long run needs around it: resume that trusts only indexed shards passing `quick`,
+a refusal to mix runs, a free-space guard, retries, clean stops on signals, and status.json.
+
+Batches are planned from the whole (node-local) sample list, not from what is left: samples
+are grouped in fixed windows of the dataset order and sorted by length inside each window. A
+resume re-runs a planned batch whole even when some of its samples are already done (their
+results are dropped), because padding and batch shape change float32 results in the last bits
+(measured on the tiny model: up to 2e-8 between a sample alone and in a batch). So a resumed
+run writes bit-identical tensors to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from extraction import layers as layer_mod
+from extraction.backends.base import Backend, Sample, SampleStates
+from extraction.config import ExtractConfig
+from extraction.dataset import (
+    ChatTokenizer,
+    DatasetEntry,
+    RowError,
+    chat_template_of,
+    load_tokenizer,
+    read_conversations,
+    scan_dataset,
+    sha256_text,
+    tokenizer_hash,
+)
+from extraction.diskguard import DiskGuard, DiskLow, estimate_shard_bytes
+from extraction.shards import (
+    DiskFullError,
+    ManifestError,
+    ManifestMismatchError,
+    RunManifest,
+    ShardDataError,
+    ShardWriter,
+    read_index,
+)
+from extraction.shards import format as fmt
+from extraction.status import ERRORS_NAME, StatusReporter, StatusThread, now_iso
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_PAUSED = 75  # EX_TEMPFAIL: free space and run again
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+
+WINDOW_BATCHES = 16  # a planning window holds this many batches' worth of samples
+QUEUE_BATCHES = 4  # batches buffered between tokenizer -> forward -> writer
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class RunError(Exception):
+    """Stops the run before any work; `code` is the exit status."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.code = code
+
+
+def assigned_to(sample_id: str, shard_index: int, num_shards: int) -> bool:
+    """Node assignment by a hash of the stable id: no coordination, stable under reordering."""
+    if num_shards == 1:
+        return True
+    h = int.from_bytes(hashlib.sha256(sample_id.encode("utf-8")).digest()[:8], "big")
+    return h % num_shards == shard_index
+
+
+def plan_windows(entries: list[DatasetEntry], batch_size: int) -> list[list[DatasetEntry]]:
+    """Fixed windows of the dataset order; batches are cut inside a window by length."""
+    size = batch_size * WINDOW_BATCHES
+    return [entries[i : i + size] for i in range(0, len(entries), size)]
+
+
+def batches_of_window(samples: list[Sample], batch_size: int) -> list[list[Sample]]:
+    """Sort a window's samples by length (ties by id) and cut batches: little padding, fixed plan."""
+    ordered = sorted(samples, key=lambda s: (int(s.input_ids.numel()), s.sample_id))
+    return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+def read_model_config(model_dir: str) -> dict[str, Any]:
+    """hidden size, layers, vocab from config.json (a text_config inside wins for VLM wrappers)."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError as e:
+        raise RunError(f"{path}: cannot read model config: {e.strerror}") from None
+    except ValueError as e:
+        raise RunError(f"{path}: invalid JSON: {e}") from None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    try:
+        return {
+            "hidden_size": int(text["hidden_size"]),
+            "num_layers": int(text["num_hidden_layers"]),
+            "vocab_size": int(text["vocab_size"]) if text.get("vocab_size") else None,
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        raise RunError(f"{path}: model config lacks {e}") from None
+
+
+def _end_torn_index_line(output_dir: str) -> None:
+    """A crash mid-append can leave the index without its final newline; the next append would
+    then be glued to the fragment and lost with it. End the fragment with a newline first, so it
+    stays a single damaged line that read_index skips. (Belongs in the shard writer; see report.)"""
+    path = os.path.join(output_dir, fmt.INDEX_NAME)
+    try:
+        with open(path, "rb+") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+    except FileNotFoundError:
+        return
+
+
+def make_backend(cfg: ExtractConfig, layer_ids: list[int]) -> Backend:
+    if cfg.backend == "hf":
+        from extraction.backends.hf import HFBackend
+
+        return HFBackend(cfg.model, layer_ids, dtype=cfg.dtype, device=cfg.device)
+    from extraction.backends import sglang  # helper-owned; constructed from the same config
+
+    return sglang.SGLangBackend.from_config(cfg, layer_ids)
+
+
+@dataclass
+class _Work:
+    """One planned batch on its way: all samples ran; only `pending` ones get written."""
+
+    samples: list[Sample]
+    pending: set[str]
+    results: list[SampleStates] = field(default_factory=list)
+
+
+class Runner:
+    """One `hsx extract` invocation. `backend_factory` lets tests inject a failing backend."""
+
+    def __init__(
+        self,
+        cfg: ExtractConfig,
+        backend_factory: Callable[[ExtractConfig, list[int]], Backend] = make_backend,
+        log: Callable[[str], None] | None = None,
+    ):
+        self.cfg = cfg
+        self.backend_factory = backend_factory
+        self.log = log or (lambda msg: print(f"hsx extract: {msg}", file=sys.stderr, flush=True))
+        self.stop_event = threading.Event()
+        self.abandon_event = threading.Event()
+        self.stop_signal: int | None = None
+        self.pause: DiskLow | DiskFullError | None = None
+        self.abort: str | None = None
+        self.consecutive_errors = 0
+        self.failed_samples: set[str] = set()
+        self.bar: Any = None
+        self._errors_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _manifest(self, model_cfg: dict[str, Any], layer_ids: list[int], tokenizer: Any, ds_hash: str):
+        cfg = self.cfg
+        from extraction.backends.hf import model_revision
+
+        return RunManifest(
+            model=os.path.basename(os.path.abspath(cfg.model)),
+            revision=model_revision(cfg.model),
+            hidden_size=model_cfg["hidden_size"],
+            num_layers=model_cfg["num_layers"],
+            layer_ids=layer_ids,
+            layer_convention=layer_mod.CANONICAL,
+            dtype=_DTYPE_NAMES[cfg.dtype],
+            final_normed=True,
+            vocab_size=model_cfg["vocab_size"],
+            tokenizer_hash=tokenizer_hash(cfg.model),
+            chat_template_hash=sha256_text(chat_template_of(tokenizer)),
+            dataset_path=os.path.basename(cfg.dataset),
+            dataset_hash=ds_hash,
+            extra={
+                "max_length": cfg.max_length,
+                "model_dir": os.path.abspath(cfg.model),
+                "dataset_file": os.path.abspath(cfg.dataset),
+                "backend": cfg.backend,
+                "batch_size": cfg.batch_size,
+                "host": socket.gethostname(),
+            },
+        )
+
+    def _check_extra(self, manifest: RunManifest) -> None:
+        """max_length changes what a shard holds but is not a manifest field: compare it here."""
+        path = os.path.join(self.cfg.output, fmt.MANIFEST_NAME)
+        if not os.path.exists(path):
+            return
+        existing = fmt.read_manifest_dict(self.cfg.output)
+        extra = existing.get("extra") or {}
+        if "max_length" in extra and extra["max_length"] != manifest.extra["max_length"]:
+            raise RunError(
+                f"{self.cfg.output} holds a different run: max_length: existing run has "
+                f"{extra['max_length']!r}, this run wants {manifest.extra['max_length']!r}"
+            )
+
+    def _existing_done(self, manifest: RunManifest, wanted: set[str]) -> tuple[set[str], int]:
+        """Samples whose shard is indexed and passes `quick`; plus how many indexed ones failed."""
+        state = read_index(self.cfg.output)
+        expect = fmt.Expect.from_manifest(manifest.to_dict())
+        done: set[str] = set()
+        bad = 0
+        for sid, entry in state.entries.items():
+            if sid not in wanted:
+                continue
+            try:
+                fmt.check_shard(os.path.join(self.cfg.output, entry.path), expect, "quick", entry)
+            except (fmt.ShardBad, fmt.ShardIOError) as e:
+                bad += 1
+                self._error({"kind": "resume", "sample_id": sid, "reason": f"redo: {e}"})
+                continue
+            done.add(sid)
+        return done, bad
+
+    def _error(self, record: dict[str, Any]) -> None:
+        record = {"time": now_iso(), **record}
+        with self._errors_lock:
+            with open(os.path.join(self.cfg.output, ERRORS_NAME), "a", encoding="utf-8") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    # ------------------------------------------------------------------ pipeline threads
+
+    def _produce(
+        self, tokenizer: ChatTokenizer, windows: list[list[DatasetEntry]], done: set[str], out: queue.Queue
+    ):
+        """Tokenizer thread: planned batches holding at least one pending sample."""
+        try:
+            for window in windows:
+                if self.stop_event.is_set():
+                    break
+                if all(e.sample_id in done for e in window):
+                    continue
+                samples = []
+                for conv in read_conversations(self.cfg.dataset, window):
+                    try:
+                        samples.append(tokenizer.encode(conv))
+                    except Exception as e:  # a template that cannot render this row: a data problem
+                        self._error(
+                            RowError(conv.line, f"tokenization failed: {e}", conv.sample_id).to_record()
+                        )
+                        with self.reporter.lock:
+                            self.reporter.row_errors += 1
+                            self.reporter.total -= 1
+                for batch in batches_of_window(samples, self.cfg.batch_size):
+                    pending = {s.sample_id for s in batch if s.sample_id not in done}
+                    if pending:
+                        while not self.stop_event.is_set():
+                            try:
+                                out.put(_Work(batch, pending), timeout=0.2)
+                                break
+                            except queue.Full:
+                                continue
+        finally:
+            out.put(None)
+
+    def _write(self, work_q: queue.Queue) -> None:
+        """Writer thread: disk guard, atomic publish, counters. Never touches the GPU."""
+        while True:
+            work = work_q.get()
+            if work is None:
+                return
+            if self.pause is not None or self.abandon_event.is_set():
+                continue  # drained, not written: these samples stay pending
+            for sample, states in zip(work.samples, work.results, strict=True):
+                if sample.sample_id not in work.pending:
+                    continue
+                if self.abandon_event.is_set() or self.pause is not None:
+                    break
+                self._publish(sample, states)
+
+    def _publish(self, sample: Sample, states: SampleStates) -> None:
+        n = int(sample.input_ids.numel())
+        needed = estimate_shard_bytes(n, self.manifest.hidden_size, self.manifest.num_aux, self.itemsize)
+        try:
+            self.reporter.free_bytes = self.guard.check(needed)
+        except DiskLow as e:
+            self._pause(e)
+            return
+        try:
+            entry = self.writer.publish(
+                sample.sample_id,
+                sample.input_ids,
+                sample.loss_mask,
+                states.hidden_state,
+                states.aux_hidden_state,
+            )
+        except DiskFullError as e:
+            self._pause(e)
+            return
+        except (ShardDataError, OSError) as e:
+            self._sample_failed(sample, f"write failed: {e}")
+            return
+        self.reporter.add_written(n, entry.size)
+        self.reporter.free_bytes = (self.reporter.free_bytes or 0) - entry.size
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def _pause(self, reason: DiskLow | DiskFullError) -> None:
+        if isinstance(reason, DiskLow):
+            self.reporter.free_bytes = reason.free  # the figure the pause message quotes
+        if self.pause is None:
+            self.pause = reason
+            self.log(f"pausing: {reason}")
+        self.stop_event.set()
+
+    def _sample_failed(self, sample: Sample, reason: str, attempts: int | None = None) -> None:
+        self.failed_samples.add(sample.sample_id)
+        self.reporter.add_error()
+        rec = {
+            "kind": "sample",
+            "sample_id": sample.sample_id,
+            "line": sample.meta.get("line"),
+            "reason": reason,
+        }
+        if attempts is not None:
+            rec["attempts"] = attempts
+        self._error(rec)
+        self.consecutive_errors += 1
+        if self.consecutive_errors >= self.cfg.max_consecutive_errors and self.abort is None:
+            self.abort = (
+                f"{self.consecutive_errors} samples failed in a row (--max-consecutive-errors "
+                f"{self.cfg.max_consecutive_errors}); last: {reason}"
+            )
+            self.stop_event.set()
+
+    # ------------------------------------------------------------------ forward with retries
+
+    def _try_extract(self, batch: list[Sample]) -> tuple[list[SampleStates] | None, str, int]:
+        """Up to 1 + retries attempts with doubling backoff; (results, last error, attempts)."""
+        reason = ""
+        for attempt in range(self.cfg.retries + 1):
+            if attempt:
+                delay = self.cfg.retry_backoff * 2 ** (attempt - 1)
+                if self.stop_event.wait(delay):
+                    return None, reason or "stopped", attempt
+            try:
+                results = self.backend.extract(batch)
+                self._check_results(batch, results)
+                return results, "", attempt + 1
+            except Exception as e:  # any backend failure is retried; the reason goes to errors.jsonl
+                reason = f"{type(e).__name__}: {e}"
+        return None, reason, self.cfg.retries + 1
+
+    @staticmethod
+    def _check_results(batch: list[Sample], results: list[SampleStates]) -> None:
+        if len(results) != len(batch):
+            raise RuntimeError(f"backend returned {len(results)} results for {len(batch)} samples")
+        for s, r in zip(batch, results, strict=True):
+            if r.sample_id != s.sample_id:
+                raise RuntimeError(f"backend returned {r.sample_id!r} where {s.sample_id!r} was expected")
+            if r.input_ids is not s.input_ids and not bool((r.input_ids.cpu() == s.input_ids).all()):
+                raise RuntimeError(f"{s.sample_id!r}: backend saw other input_ids than were sent")
+
+    def _forward(self, work: _Work) -> _Work | None:
+        results, reason, attempts = self._try_extract(work.samples)
+        if results is not None:
+            self.consecutive_errors = 0
+            work.results = results
+            return work
+        if self.stop_event.is_set() and self.abort is None and self.pause is None:
+            return None  # interrupted while backing off
+        if len(work.samples) == 1:
+            self._sample_failed(work.samples[0], reason, attempts)
+            return None
+        # Find the sample that breaks the batch: one at a time (these are not bit-identical to the
+        # batched plan in fp32, but a failing batch has no bits to be identical to).
+        self.log(
+            f"batch of {len(work.samples)} failed after {attempts} attempts ({reason}); trying one by one"
+        )
+        kept_samples, kept_results = [], []
+        for s in work.samples:
+            if s.sample_id not in work.pending:
+                continue
+            if self.stop_event.is_set():
+                break
+            res, why, n = self._try_extract([s])
+            if res is None:
+                if not self.stop_event.is_set() or self.abort:
+                    self._sample_failed(s, why, n)
+                continue
+            self.consecutive_errors = 0
+            kept_samples.append(s)
+            kept_results.append(res[0])
+        return _Work(kept_samples, work.pending, kept_results) if kept_samples else None
+
+    # ------------------------------------------------------------------ signals
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            self.log(f"{signal.Signals(signum).name}: finishing the batch in flight, then stopping")
+            self.stop_event.set()
+        else:
+            self.log(f"{signal.Signals(signum).name} again: abandoning unwritten samples")
+            self.abandon_event.set()
+
+    # ------------------------------------------------------------------ the run
+
+    def prepare(self) -> None:
+        """Everything before the first forward: may raise RunError (nothing written on a refusal)."""
+        cfg = self.cfg
+        if not os.path.isdir(cfg.model):
+            raise RunError(f"--model {cfg.model}: not a directory")
+        if not os.path.isfile(cfg.dataset):
+            raise RunError(f"--dataset {cfg.dataset}: not a file")
+        if os.path.exists(cfg.output) and not os.path.isdir(cfg.output):
+            raise RunError(f"--output {cfg.output}: exists and is not a directory")
+        model_cfg = read_model_config(cfg.model)
+        try:
+            self.layer_ids = layer_mod.parse_layers(cfg.layers, model_cfg["num_layers"], cfg.layer_convention)
+        except layer_mod.LayerSpecError as e:
+            raise RunError(f"--layers: {e}") from None
+        self.scan = scan_dataset(cfg.dataset)
+        try:
+            tokenizer = load_tokenizer(cfg.model)
+        except Exception as e:
+            raise RunError(f"cannot load the tokenizer from {cfg.model}: {e}") from None
+        if chat_template_of(tokenizer) is None:
+            raise RunError(f"{cfg.model}: the tokenizer has no chat template")
+        self.tokenizer = ChatTokenizer(tokenizer, cfg.max_length)
+        self.manifest = self._manifest(model_cfg, self.layer_ids, tokenizer, self.scan.sha256)
+        self.itemsize = _ITEMSIZE[self.manifest.dtype]
+        self._check_extra(self.manifest)
+        try:
+            self.writer = ShardWriter(cfg.output, self.manifest)
+        except ManifestMismatchError as e:
+            raise RunError(f"refusing to resume: {e}") from None
+        except ManifestError as e:
+            raise RunError(str(e)) from None
+        except OSError as e:
+            raise RunError(f"--output {cfg.output}: {e}") from None
+        _end_torn_index_line(cfg.output)
+        removed = self.writer.remove_orphan_temps()
+        if removed:
+            self.log(f"removed {removed} temp file(s) left by an interrupted writer")
+
+        assigned = [e for e in self.scan.entries if assigned_to(e.sample_id, cfg.shard_index, cfg.num_shards)]
+        if cfg.limit is not None:
+            assigned = assigned[: cfg.limit]
+        self.assigned = assigned
+        t0 = time.monotonic()
+        self.done, bad = self._existing_done(self.manifest, {e.sample_id for e in assigned})
+        self.resume_seconds = time.monotonic() - t0
+        if self.done or bad:
+            self.log(
+                f"resume: {len(self.done)} sample(s) already done, {bad} indexed shard(s) failed quick and "
+                f"will be redone ({self.resume_seconds:.1f}s)"
+            )
+        estimate = estimate_shard_bytes(
+            cfg.max_length or 0, self.manifest.hidden_size, self.manifest.num_aux, self.itemsize
+        )
+        self.guard = DiskGuard(cfg.output, cfg.reserve_bytes, estimate)
+        self.reporter = StatusReporter(cfg.output, len(assigned), len(self.done), self.guard.reserve)
+        self.reporter.row_errors = len(self.scan.errors)
+        self.reporter.extra = {
+            "model": self.manifest.model,
+            "dataset": os.path.abspath(cfg.dataset),
+            "shard_index": cfg.shard_index,
+            "num_shards": cfg.num_shards,
+            "resume_seconds": round(self.resume_seconds, 3),
+        }
+        for err in self.scan.errors:
+            self._error(err.to_record())
+        if self.scan.errors:
+            self.log(f"{len(self.scan.errors)} malformed row(s) skipped (see {cfg.output}/{ERRORS_NAME})")
+
+    def run(self) -> int:
+        try:
+            self.prepare()
+        except RunError as e:
+            self.log(str(e))
+            return e.code
+        cfg = self.cfg
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                handlers[sig] = signal.signal(sig, self._on_signal)
+        self.reporter.set_state("starting", "loading the model")
+        self.reporter.write()
+        status_thread = None
+        try:
+            try:
+                self.backend = self.backend_factory(cfg, self.layer_ids)
+            except Exception as e:
+                self.reporter.set_state("failed", f"cannot start the {cfg.backend} backend: {e}")
+                self.log(f"cannot start the {cfg.backend} backend: {e}")
+                return EXIT_FAILED
+            self._check_backend()
+            self.reporter.set_state("running")
+            self.reporter.write()
+            status_thread = StatusThread(self.reporter, cfg.status_interval, self._refresh_free)
+            status_thread.start()
+            self._open_bar()
+            self._pipeline()
+        except RunError as e:
+            self.reporter.set_state("failed", str(e))
+            self.log(str(e))
+            return e.code
+        finally:
+            if status_thread is not None:
+                status_thread.stop()
+            for sig, old in handlers.items():
+                signal.signal(sig, old)
+            if self.bar is not None:
+                self.bar.close()
+            backend = getattr(self, "backend", None)
+            if backend is not None:
+                try:
+                    backend.close()
+                except Exception:
+                    pass
+        code = self._finish()
+        self.reporter.write()
+        return code
+
+    def _check_backend(self) -> None:
+        info = self.backend.model_info()
+        m = self.manifest
+        if (info.hidden_size, info.num_layers) != (m.hidden_size, m.num_layers):
+            raise RunError(
+                f"the {self.cfg.backend} backend serves a model with hidden {info.hidden_size}, "
+                f"{info.num_layers} layers; {self.cfg.model}/config.json says {m.hidden_size}, {m.num_layers}",
+                EXIT_FAILED,
+            )
+
+    def _refresh_free(self) -> None:
+        try:
+            self.reporter.free_bytes = self.guard.check(0) if self.pause is None else self.reporter.free_bytes
+        except DiskLow as e:
+            self.reporter.free_bytes = e.free
+        with self.reporter.lock:
+            self.reporter.reserve_bytes = self.guard.reserve
+
+    def _open_bar(self) -> None:
+        want = self.cfg.progress
+        if want == "off" or (want == "auto" and not sys.stderr.isatty()):
+            return
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=self.reporter.total,
+            initial=self.reporter.done,
+            unit="sample",
+            dynamic_ncols=True,
+            smoothing=0.1,
+        )
+
+    def _pipeline(self) -> None:
+        windows = plan_windows(self.assigned, self.cfg.batch_size)
+        batch_q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
+        write_q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
+        producer = threading.Thread(
+            target=self._produce,
+            args=(self.tokenizer, windows, self.done, batch_q),
+            name="hsx-tokenize",
+            daemon=True,
+        )
+        writer = threading.Thread(target=self._write, args=(write_q,), name="hsx-writer", daemon=True)
+        producer.start()
+        writer.start()
+        last_bar = 0.0
+        try:
+            while not self.stop_event.is_set():
+                work = batch_q.get()
+                if work is None:
+                    break
+                done = self._forward(work)
+                if done is not None:
+                    write_q.put(done)
+                if self.bar is not None and time.monotonic() - last_bar > 1:
+                    last_bar = time.monotonic()
+                    snap = self.reporter.snapshot_rates()
+                    self.bar.set_postfix(tok_s=f"{snap[1]:.0f}", errors=self.reporter.errors, refresh=False)
+        finally:
+            self.stop_event.set()
+            while True:  # unblock the tokenizer if it waits on a full queue
+                try:
+                    if batch_q.get_nowait() is None:
+                        break
+                except queue.Empty:
+                    if not producer.is_alive():
+                        break
+                    time.sleep(0.01)
+            write_q.put(None)
+            while writer.is_alive():
+                writer.join(timeout=0.5)
+            producer.join(timeout=5)
+
+    def _finish(self) -> int:
+        r = self.reporter
+        if self.pause is not None:
+            free = self.guard.last_free
+            msg = (
+                f"free {free} bytes < reserve {self.guard.reserve} bytes + next shard"
+                if isinstance(self.pause, DiskLow)
+                else f"disk full while writing ({self.pause}); free {free} bytes"
+            )
+            r.set_state("paused: disk low", msg + "; free space and run again to resume")
+            self.log(f"paused: {msg}; exit {EXIT_PAUSED}")
+            return EXIT_PAUSED
+        if self.stop_signal is not None:
+            r.set_state("interrupted", f"stopped by {signal.Signals(self.stop_signal).name}")
+            return EXIT_SIGINT if self.stop_signal == signal.SIGINT else EXIT_SIGTERM
+        if self.abort is not None:
+            r.set_state("failed", self.abort)
+            self.log(f"aborting: {self.abort}")
+            return EXIT_FAILED
+        missing = r.total - r.done
+        if missing > 0:
+            msg = f"{missing} sample(s) failed (see {ERRORS_NAME}); run again to retry them"
+            r.set_state("failed", msg)
+            self.log(msg)
+            return EXIT_FAILED
+        r.set_state("done", f"{r.written} written, {r.skipped_existing} already there")
+        self.log(f"done: {r.done}/{r.total} samples ({r.written} written this run)")
+        return EXIT_OK
+
+
+def iter_batches_for_bench(
+    cfg: ExtractConfig, entries: list[DatasetEntry], tokenizer: ChatTokenizer
+) -> Iterator[list[Sample]]:
+    """The runner's own batch plan, for benchmarks comparing it with a bare forward loop."""
+    for window in plan_windows(entries, cfg.batch_size):
+        samples = [tokenizer.encode(c) for c in read_conversations(cfg.dataset, window)]
+        yield from batches_of_window(samples, cfg.batch_size)

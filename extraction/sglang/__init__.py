@@ -1,0 +1,1 @@
+"""SGLang integration: the dump hook deployed into SGLang, its patch, its dump files, supported versions."""

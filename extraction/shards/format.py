@@ -1,0 +1,1330 @@
+"""The shard format: one stdlib-only source of truth, shipped to hosts through module_utils.
+
+Everything that both the extraction package and the Ansible module `shard_verify` need lives
+here: the layout of an output directory, shard and temp naming, the index log, run.json
+reading, and the `quick` / `full` verifiers. It imports nothing outside the standard library,
+because right after a crash the host may not have torch or the extraction package installed.
+
+Output layout::
+
+    OUTPUT/run.json                      run manifest (refuse to mix runs)
+    OUTPUT/index.jsonl                   append-only log of completed samples
+    OUTPUT/shards/<bucket>/<id>.pt       one torch.save dict per sample
+    OUTPUT/quarantine/<bucket>/<id>.pt   shards that failed verification, + .reason.json
+
+Why an append-only JSONL index and not SQLite: one `write()` of a short line with O_APPEND
+after the shard is already fsynced and renamed is the whole commit protocol; a crash can only
+tear the last line, which its per-line CRC32 detects and `load_index` skips. It is readable
+with the standard library, grep and jq on any host, survives copying between filesystems
+(NFS, overlay) where SQLite locking is unreliable, and is only ever a hint: verification
+reconciles it against the files on disk, so a lost tail costs a re-index, never bad data.
+Later lines win, so a quarantine appends a tombstone and the sample counts as not done.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import stat
+import struct
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+
+# --- layout ---------------------------------------------------------------------------------
+MANIFEST_NAME = "run.json"
+INDEX_NAME = "index.jsonl"
+SHARDS_DIR = "shards"
+QUARANTINE_DIR = "quarantine"
+SHARD_SUFFIX = ".pt"
+TEMP_PREFIX = "."
+TEMP_SUFFIX = ".tmp"
+REASON_SUFFIX = ".reason.json"
+BUCKET_HEX_CHARS = 2  # 256 buckets: ~146 files each at 37k samples, ~4k at 1M
+
+# --- tensors in a shard ---------------------------------------------------------------------
+KEY_INPUT_IDS = "input_ids"
+KEY_LOSS_MASK = "loss_mask"
+KEY_HIDDEN = "hidden_state"
+KEY_AUX = "aux_hidden_state"
+SHARD_KEYS = (KEY_INPUT_IDS, KEY_LOSS_MASK, KEY_HIDDEN, KEY_AUX)
+
+# dtype name (as torch spells it after "torch.") -> (legacy storage class torch.save pickles, itemsize)
+DTYPES: dict[str, tuple[str, int]] = {
+    "float64": ("DoubleStorage", 8),
+    "float32": ("FloatStorage", 4),
+    "float16": ("HalfStorage", 2),
+    "bfloat16": ("BFloat16Storage", 2),
+    "int64": ("LongStorage", 8),
+    "int32": ("IntStorage", 4),
+    "int16": ("ShortStorage", 2),
+    "int8": ("CharStorage", 1),
+    "uint8": ("ByteStorage", 1),
+    "bool": ("BoolStorage", 1),
+}
+STORAGE_DTYPES = {storage: name for name, (storage, _) in DTYPES.items()}
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
+INPUT_IDS_DTYPE = "int64"
+LOSS_MASK_DTYPES = ("int64", "int32", "uint8", "bool")
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,119}$")
+_UNSAFE_CHAR = re.compile(r"[^A-Za-z0-9._-]")
+
+
+# --- naming ---------------------------------------------------------------------------------
+def safe_name(sample_id: str) -> str:
+    """A file-name stem for a sample id, injective: safe ids map to themselves, others get a hash.
+
+    Safe = [A-Za-z0-9._-], not starting with '.', at most 120 chars. Anything else becomes a
+    sanitised prefix + '~' + 16 hex of its SHA-1; '~' never occurs in a safe id, so two ids
+    cannot share a name.
+    """
+    if not isinstance(sample_id, str) or not sample_id:
+        raise ValueError(f"sample id must be a non-empty string, got {sample_id!r}")
+    if _SAFE_ID.match(sample_id):
+        return sample_id
+    digest = hashlib.sha1(sample_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    prefix = _UNSAFE_CHAR.sub("_", sample_id)[:64].lstrip(".")
+    return f"{prefix}~{digest}"
+
+
+def bucket_of(sample_id: str) -> str:
+    """Subfolder for a sample: a SHA-1 prefix of its id, so folders stay small and balanced."""
+    return hashlib.sha1(sample_id.encode("utf-8", "surrogatepass")).hexdigest()[:BUCKET_HEX_CHARS]
+
+
+def shard_relpath(sample_id: str) -> str:
+    """Path of a sample's shard relative to the output root: `shards/<bucket>/<safe id>.pt`."""
+    return f"{SHARDS_DIR}/{bucket_of(sample_id)}/{safe_name(sample_id)}{SHARD_SUFFIX}"
+
+
+def temp_name(final_name: str) -> str:
+    """A temp name next to `final_name`: hidden, unique, and never ending in `.pt`."""
+    return f"{TEMP_PREFIX}{final_name}.{os.getpid()}.{os.urandom(4).hex()}{TEMP_SUFFIX}"
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX)
+
+
+def is_shard_name(name: str) -> bool:
+    return name.endswith(SHARD_SUFFIX) and not name.startswith(TEMP_PREFIX)
+
+
+# --- index ----------------------------------------------------------------------------------
+@dataclass
+class IndexEntry:
+    """One completed sample: where its shard is (relative to the output root) and what it holds."""
+
+    sample_id: str
+    path: str
+    size: int
+    checksum: str  # "crc32:xxxxxxxx" of the whole file
+    num_tokens: int
+
+
+def checksum_string(crc: int) -> str:
+    return f"crc32:{crc & 0xFFFFFFFF:08x}"
+
+
+def encode_index_line(record: dict[str, Any]) -> bytes:
+    """`<compact json>\\t<crc32 of the json>\\n`: a torn or damaged line fails its own CRC."""
+    body = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    crc = zlib.crc32(body.encode("ascii")) & 0xFFFFFFFF
+    return f"{body}\t{crc:08x}\n".encode("ascii")
+
+
+def decode_index_line(line: bytes) -> dict[str, Any] | None:
+    """The record of one index line, or None when the line is torn or damaged."""
+    if not line.endswith(b"\n"):
+        return None
+    body, sep, crc = line[:-1].rpartition(b"\t")
+    if not sep or len(crc) != 8:
+        return None
+    try:
+        if zlib.crc32(body) & 0xFFFFFFFF != int(crc, 16):
+            return None
+        record = json.loads(body)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _decode_index_lines(lines: list[bytes]) -> list[dict[str, Any] | None]:
+    """decode_index_line for many lines: CRCs per line, then one JSON parse for all of them."""
+    bodies: list[bytes | None] = []
+    for line in lines:
+        body, sep, crc = line[:-1].rpartition(b"\t")
+        ok = line.endswith(b"\n") and sep and len(crc) == 8
+        try:
+            ok = ok and zlib.crc32(body) & 0xFFFFFFFF == int(crc, 16)
+        except ValueError:
+            ok = False
+        bodies.append(body if ok else None)
+    good = [b for b in bodies if b is not None]
+    try:
+        parsed = iter(json.loads(b"[" + b",".join(good) + b"]"))
+    except ValueError:  # a line with a valid CRC but bad JSON (hand-edited): fall back line by line
+        return [decode_index_line(line) for line in lines]
+    out: list[dict[str, Any] | None] = []
+    for b in bodies:
+        record = next(parsed) if b is not None else None
+        out.append(record if isinstance(record, dict) else None)
+    return out
+
+
+@dataclass
+class IndexState:
+    """An index read back: live entries plus how many lines were unreadable."""
+
+    entries: dict[str, IndexEntry] = field(default_factory=dict)
+    bad_lines: int = 0
+    torn_tail: bool = False
+
+
+def read_index(output_dir: str) -> IndexState:
+    """Replay index.jsonl: later lines win; tombstones drop a sample; damaged lines are skipped.
+
+    A missing index is an empty one (a run that has not finished a sample yet).
+    """
+    state = IndexState()
+    path = os.path.join(output_dir, INDEX_NAME)
+    try:
+        with open(path, "rb") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return state
+    for n, record in enumerate(_decode_index_lines(lines)):
+        if record is None:
+            if n == len(lines) - 1:
+                state.torn_tail = True
+            else:
+                state.bad_lines += 1
+            continue
+        sample_id = record.get("id")
+        if not isinstance(sample_id, str):
+            state.bad_lines += 1
+            continue
+        if record.get("removed"):
+            state.entries.pop(sample_id, None)
+            continue
+        try:
+            state.entries[sample_id] = IndexEntry(
+                sample_id=sample_id,
+                path=str(record["path"]),
+                size=int(record["size"]),
+                checksum=str(record["checksum"]),
+                num_tokens=int(record["num_tokens"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            state.bad_lines += 1
+    return state
+
+
+def load_index(output_dir: str) -> dict[str, IndexEntry]:
+    """sample_id -> IndexEntry of every completed (not quarantined) sample."""
+    return read_index(output_dir).entries
+
+
+def index_record(entry: IndexEntry) -> dict[str, Any]:
+    return {
+        "id": entry.sample_id,
+        "path": entry.path,
+        "size": entry.size,
+        "checksum": entry.checksum,
+        "num_tokens": entry.num_tokens,
+    }
+
+
+def tombstone_record(sample_id: str, reason: str) -> dict[str, Any]:
+    return {"id": sample_id, "removed": True, "reason": reason, "at": round(time.time(), 3)}
+
+
+def append_index(output_dir: str, records: Iterable[dict[str, Any]], fsync: bool = True) -> None:
+    """Append records with one O_APPEND write, then fsync: the only way the index changes."""
+    data = b"".join(encode_index_line(r) for r in records)
+    if not data:
+        return
+    fd = os.open(os.path.join(output_dir, INDEX_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- run.json -------------------------------------------------------------------------------
+class ManifestError(Exception):
+    """run.json is missing or unreadable: the directory is not a run (an I/O or usage error)."""
+
+
+def read_manifest_dict(output_dir: str) -> dict[str, Any]:
+    path = os.path.join(output_dir, MANIFEST_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ManifestError(f"{output_dir}: not an extraction run (no {MANIFEST_NAME})") from None
+    except PermissionError as e:
+        raise ManifestError(f"{path}: cannot read: {e.strerror}") from None
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{path}: unreadable run manifest: {e}") from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"{path}: run manifest is not a JSON object")
+    return data
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Temp in the same directory -> write -> fsync -> rename -> fsync the directory."""
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, temp_name(name))
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    fsync_dir(directory or ".")
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# --- orphan temps ---------------------------------------------------------------------------
+def find_orphan_temps(output_dir: str) -> list[str]:
+    """Writer temp files (relative paths) in the output root and every shard bucket."""
+    found = []
+    for rel in ("", SHARDS_DIR):
+        try:
+            with os.scandir(os.path.join(output_dir, rel) if rel else output_dir) as it:
+                entries = list(it)
+        except FileNotFoundError:
+            continue
+        for e in entries:
+            if is_temp_name(e.name) and e.is_file(follow_symlinks=False):
+                found.append(f"{rel}/{e.name}" if rel else e.name)
+            elif rel == SHARDS_DIR and e.is_dir(follow_symlinks=False):
+                with os.scandir(e.path) as bucket:
+                    for b in bucket:
+                        if is_temp_name(b.name) and b.is_file(follow_symlinks=False):
+                            found.append(f"{SHARDS_DIR}/{e.name}/{b.name}")
+    return sorted(found)
+
+
+def remove_orphan_temps(output_dir: str) -> list[str]:
+    """Delete the temp files find_orphan_temps lists; returns the ones removed."""
+    removed = []
+    for rel in find_orphan_temps(output_dir):
+        try:
+            os.unlink(os.path.join(output_dir, rel))
+        except FileNotFoundError:
+            continue
+        removed.append(rel)
+    return removed
+
+
+# --- verification: zip structure -------------------------------------------------------------
+class ShardBad(Exception):
+    """The shard is damaged or not a shard of this run; the message is the reason."""
+
+
+_EOCD = struct.Struct("<IHHHHIIH")  # sig, disk, cd disk, n here, n total, cd size, cd offset, comment len
+_Z64_LOCATOR = struct.Struct("<IIQI")  # sig, disk, z64 eocd offset, disks
+_Z64_EOCD = struct.Struct(
+    "<IQHHIIQQQQ"
+)  # sig, size, made, needed, disk, cd disk, n here, n, cd size, cd offset
+_CDIR = struct.Struct("<IHHHHHHIIIHHHHHII")
+# The central-directory fields we use: sig, flags, method, crc, csize, usize, nlen, elen, clen, offset.
+_CDIR_FIELDS = struct.Struct("<I4xHH4xIIIHHH8xI")
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_SIG_EOCD, _SIG_Z64_LOC, _SIG_Z64_EOCD = 0x06054B50, 0x07064B50, 0x06064B50
+_SIG_CDIR, _SIG_LOCAL = 0x02014B50, 0x04034B50
+_MAX_RECORDS = 4096
+_MAX_PICKLE = 1 << 20  # a shard's data.pkl is ~400 bytes
+_U32 = struct.Struct("<I")
+_I32 = struct.Struct("<i")
+_SMALL_FILE = 1 << 20  # read whole files up to this size in one go
+
+
+@dataclass(slots=True)
+class ZipRecord:
+    name: str
+    header_offset: int
+    data_offset: int
+    size: int
+    crc: int
+    raw_name: bytes = b""
+    crc_at: int = -1  # file offset of this record's CRC field in the central directory
+
+
+class _Reader:
+    """Positional reads on an open file; small files are read once and served from memory."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+        self.whole = os.pread(fd, size, 0) if size <= _SMALL_FILE else None
+        if self.whole is not None and len(self.whole) != size:
+            raise ShardBad(f"file changed while reading ({len(self.whole)} of {size} bytes)")
+
+    def read(self, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise ShardBad(f"record at {offset}+{length} lies outside the file ({self.size} bytes)")
+        if self.whole is not None:
+            return self.whole[offset : offset + length]
+        data = os.pread(self.fd, length, offset)
+        if len(data) != length:
+            raise ShardBad(f"short read at {offset}: file changed while reading")
+        return data
+
+
+def _zip64_extra(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, length = struct.unpack_from("<HH", extra, pos)
+        body = extra[pos + 4 : pos + 4 + length]
+        if len(body) != length:
+            raise ShardBad("central directory extra field runs past its entry")
+        if tag == 0x0001:
+            vals = list(struct.unpack_from(f"<{length // 8}Q", body)) if length >= 8 else []
+            if usize == 0xFFFFFFFF:
+                usize = vals.pop(0) if vals else -1
+            if csize == 0xFFFFFFFF:
+                csize = vals.pop(0) if vals else -1
+            if offset == 0xFFFFFFFF:
+                offset = vals.pop(0) if vals else -1
+        pos += 4 + length
+    if -1 in (usize, csize, offset) or 0xFFFFFFFF in (usize, csize, offset):
+        raise ShardBad("zip64 sizes missing from the central directory")
+    return usize, csize, offset
+
+
+def read_zip_records(reader: _Reader) -> tuple[list[ZipRecord], int]:
+    """The records of a stored zip, each proven to lie inside the file; also the CD's offset."""
+    size = reader.size
+    if size < _EOCD.size:
+        raise ShardBad(f"too short to be a zip ({size} bytes)")
+    # torch.save writes no archive comment, so the end record is the file's last 22 bytes.
+    eocd_at = size - _EOCD.size
+    sig, disk, cd_disk, n_here, n_total, cd_size, cd_offset, comment_len = _EOCD.unpack(
+        reader.read(eocd_at, _EOCD.size)
+    )
+    if sig != _SIG_EOCD or comment_len != 0:
+        raise ShardBad("zip end-of-central-directory record missing (truncated or not a torch.save file)")
+    if disk != 0 or cd_disk != 0 or n_here != n_total:
+        raise ShardBad("multi-disk zip")
+    cd_end = eocd_at
+    if 0xFFFF in (n_here, n_total) or 0xFFFFFFFF in (cd_size, cd_offset) or eocd_at >= _Z64_LOCATOR.size:
+        loc_at = eocd_at - _Z64_LOCATOR.size
+        loc = _Z64_LOCATOR.unpack(reader.read(loc_at, _Z64_LOCATOR.size)) if loc_at >= 0 else None
+        if loc is not None and loc[0] == _SIG_Z64_LOC:
+            z64_at = loc[2]
+            if z64_at + _Z64_EOCD.size != loc_at:
+                raise ShardBad("zip64 end record is not where its locator says")
+            z = _Z64_EOCD.unpack(reader.read(z64_at, _Z64_EOCD.size))
+            if z[0] != _SIG_Z64_EOCD:
+                raise ShardBad("zip64 end record signature damaged")
+            n_total, cd_size, cd_offset = z[7], z[8], z[9]
+            cd_end = z64_at
+        elif 0xFFFF in (n_here, n_total) or 0xFFFFFFFF in (cd_size, cd_offset):
+            raise ShardBad("zip64 end records missing")
+    if cd_offset + cd_size != cd_end:
+        raise ShardBad(f"central directory ({cd_offset}+{cd_size}) does not end at its end record ({cd_end})")
+    if n_total < 1 or n_total > _MAX_RECORDS:
+        raise ShardBad(f"implausible record count {n_total}")
+    cd = reader.read(cd_offset, cd_size)
+    records: list[ZipRecord] = []
+    names: set[str] = set()
+    pos = 0
+    for _ in range(n_total):
+        if pos + _CDIR.size > len(cd):
+            raise ShardBad("central directory shorter than its record count")
+        pos_entry = pos
+        sig, flags, method, crc, csize, usize, nlen, elen, clen, offset = _CDIR_FIELDS.unpack_from(cd, pos)
+        if sig != _SIG_CDIR:
+            raise ShardBad(f"central directory entry {len(records)} has a damaged signature")
+        start = pos + _CDIR.size
+        raw_name = cd[start : start + nlen]
+        pos = start + nlen + elen + clen
+        if pos > len(cd):
+            raise ShardBad("central directory entry runs past the directory")
+        if method != 0 or flags & 0x1:
+            raise ShardBad("compressed or encrypted record (torch.save stores records uncompressed)")
+        if elen or 0xFFFFFFFF in (usize, csize, offset):
+            usize, csize, offset = _zip64_extra(cd[start + nlen : start + nlen + elen], usize, csize, offset)
+        if usize != csize:
+            raise ShardBad("record sizes disagree")
+        try:
+            name = raw_name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ShardBad("record name is not UTF-8") from None
+        if name in names:
+            raise ShardBad(f"duplicate record {name!r}")
+        names.add(name)
+        records.append(ZipRecord(name, offset, -1, usize, crc, raw_name, cd_offset + pos_entry + 16))
+    if pos != len(cd):
+        raise ShardBad("central directory has trailing bytes")
+    # Local headers: each where the directory says, named the same, its data before the next one.
+    records.sort(key=lambda r: r.header_offset)
+    for i, rec in enumerate(records):
+        head = reader.read(rec.header_offset, _LOCAL.size + len(rec.raw_name))
+        lf = _LOCAL.unpack_from(head)
+        if lf[0] != _SIG_LOCAL:
+            raise ShardBad(f"record {rec.name!r}: local header damaged")
+        nlen, elen = lf[9], lf[10]
+        if head[_LOCAL.size :] != rec.raw_name or nlen != len(rec.raw_name):
+            raise ShardBad(f"record {rec.name!r}: local header names a different record")
+        rec.data_offset = rec.header_offset + _LOCAL.size + nlen + elen
+        limit = records[i + 1].header_offset if i + 1 < len(records) else cd_offset
+        if rec.data_offset + rec.size > limit:
+            raise ShardBad(f"record {rec.name!r} overlaps the next record or runs past the data")
+    return records, cd_offset
+
+
+# --- verification: the pickle, read without executing it ------------------------------------
+@dataclass
+class StorageRef:
+    key: str
+    dtype: str
+    location: str
+    numel: int
+
+
+@dataclass
+class TensorMeta:
+    storage: StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _Global:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+_REBUILD = "torch._utils._rebuild_tensor_v2"
+_ORDERED_DICT = "collections.OrderedDict"
+_ALLOWED_GLOBALS = {_REBUILD, _ORDERED_DICT} | {f"torch.{s}" for s in STORAGE_DTYPES}
+
+
+def read_tensor_pickle(data: bytes) -> dict[str, TensorMeta]:
+    """Interpret torch.save's data.pkl as data, never as code.
+
+    Only the opcodes torch's writer emits are understood; GLOBAL may name only the tensor
+    rebuild function, OrderedDict and the storage classes, and nothing is ever called:
+    REDUCE/BINPERSID build plain descriptions. Any other opcode or global -> ShardBad.
+    Hot opcodes are inlined (this loop is most of `quick`'s time); marks live on a separate
+    stack as in CPython's own unpickler.
+    """
+    if len(data) > _MAX_PICKLE:
+        raise ShardBad(f"pickle too large ({len(data)} bytes)")
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[int, Any] = {}
+    pos, end = 0, len(data)
+    u32 = _U32.unpack_from
+    try:
+        while True:
+            op = data[pos]
+            pos += 1
+            if op == 0x71:  # BINPUT
+                memo[data[pos]] = stack[-1]
+                pos += 1
+            elif op == 0x68:  # BINGET
+                stack.append(memo[data[pos]])
+                pos += 1
+            elif op == 0x4B:  # BININT1
+                stack.append(data[pos])
+                pos += 1
+            elif op == 0x28:  # MARK
+                marks.append(len(stack))
+            elif op == 0x58:  # BINUNICODE
+                (n,) = u32(data, pos)
+                pos += 4 + n
+                if pos > end:
+                    raise ShardBad("pickle truncated in a string")
+                stack.append(data[pos - n : pos].decode("utf-8"))
+            elif 0x85 <= op <= 0x87:  # TUPLE1..3
+                n = op - 0x84
+                if len(stack) < n:
+                    raise ShardBad("pickle stack underflow")
+                items = tuple(stack[-n:])
+                del stack[-n:]
+                stack.append(items)
+            elif op == 0x52:  # REDUCE
+                args = stack.pop()
+                stack[-1] = _reduce(stack[-1], args, pos - 1)
+            elif op == 0x74:  # TUPLE
+                k = marks.pop()
+                items = tuple(stack[k:])
+                del stack[k:]
+                stack.append(items)
+            elif op == 0x51:  # BINPERSID
+                stack[-1] = _storage_ref(stack[-1])
+            elif op == 0x89:  # NEWFALSE
+                stack.append(False)
+            elif op == 0x29:  # EMPTY_TUPLE
+                stack.append(())
+            elif op == 0x63:  # GLOBAL
+                nl1 = data.index(b"\n", pos)
+                nl2 = data.index(b"\n", nl1 + 1)
+                name = f"{_utf8(data[pos:nl1])}.{_utf8(data[nl1 + 1 : nl2])}"
+                stack.append(_allowed_global(name, pos - 1))
+                pos = nl2 + 1
+            elif op == 0x75:  # SETITEMS
+                k = marks.pop()
+                items = stack[k:]
+                del stack[k:]
+                if len(items) % 2:
+                    raise ShardBad("pickle SETITEMS with an odd item count")
+                target = stack[-1]
+                for i in range(0, len(items), 2):
+                    _setitem(target, items[i], items[i + 1])
+            elif op == 0x73:  # SETITEM
+                value = stack.pop()
+                key = stack.pop()
+                _setitem(stack[-1], key, value)
+            elif op == 0x7D:  # EMPTY_DICT
+                stack.append({})
+            elif op == 0x80:  # PROTO
+                pos += 1
+            elif op == 0x95:  # FRAME
+                pos += 8
+            elif op == 0x8C:  # SHORT_BINUNICODE
+                n = data[pos]
+                pos += 1 + n
+                if pos > end:
+                    raise ShardBad("pickle truncated in a string")
+                stack.append(data[pos - n : pos].decode("utf-8"))
+            elif op == 0x72:  # LONG_BINPUT
+                memo[u32(data, pos)[0]] = stack[-1]
+                pos += 4
+            elif op == 0x94:  # MEMOIZE
+                memo[len(memo)] = stack[-1]
+            elif op == 0x6A:  # LONG_BINGET
+                stack.append(memo[u32(data, pos)[0]])
+                pos += 4
+            elif op == 0x93:  # STACK_GLOBAL
+                qual = stack.pop()
+                module = stack.pop()
+                if not isinstance(qual, str) or not isinstance(module, str):
+                    raise ShardBad("pickle STACK_GLOBAL without names")
+                stack.append(_allowed_global(f"{module}.{qual}", pos - 1))
+            elif op == 0x4D:  # BININT2
+                stack.append(data[pos] | data[pos + 1] << 8)
+                pos += 2
+            elif op == 0x4A:  # BININT
+                stack.append(_I32.unpack_from(data, pos)[0])
+                pos += 4
+            elif op == 0x8A:  # LONG1
+                n = data[pos]
+                pos += 1 + n
+                if pos > end:
+                    raise ShardBad("pickle truncated in LONG1")
+                stack.append(int.from_bytes(data[pos - n : pos], "little", signed=True))
+            elif op == 0x88:  # NEWTRUE
+                stack.append(True)
+            elif op == 0x4E:  # NONE
+                stack.append(None)
+            elif op == 0x2E:  # STOP
+                if len(stack) != 1 or marks:
+                    raise ShardBad("pickle leaves data on the stack")
+                if pos != end:
+                    raise ShardBad("pickle has bytes after STOP")
+                result = stack[0]
+                if not isinstance(result, dict) or not all(
+                    isinstance(v, TensorMeta) for v in result.values()
+                ):
+                    raise ShardBad("pickle is not a dict of tensors")
+                return result
+            else:
+                raise ShardBad(f"pickle opcode 0x{op:02x} at byte {pos - 1} is not one torch.save writes")
+    except IndexError:
+        raise ShardBad("pickle truncated or stack underflow") from None
+    except KeyError as e:
+        raise ShardBad(f"pickle refers to unknown memo {e.args[0]}") from None
+    except (struct.error, ValueError) as e:  # short struct read, missing newline, bad UTF-8
+        raise ShardBad(f"pickle malformed: {e}") from None
+
+
+def _utf8(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ShardBad("pickle string is not UTF-8") from None
+
+
+def _allowed_global(name: str, at: int) -> _Global:
+    if name not in _ALLOWED_GLOBALS:
+        raise ShardBad(f"pickle names {name!r} at byte {at}: not a tensor (refused, nothing executed)")
+    return _Global(name)
+
+
+def _storage_ref(pid: Any) -> StorageRef:
+    if (
+        not isinstance(pid, tuple)
+        or len(pid) != 5
+        or pid[0] != "storage"
+        or not isinstance(pid[1], _Global)
+        or not pid[1].name.startswith("torch.")
+        or not isinstance(pid[2], str)
+        or not isinstance(pid[3], str)
+        or not _is_int(pid[4])
+        or pid[4] < 0
+    ):
+        raise ShardBad("pickle persistent id is not a torch storage reference")
+    return StorageRef(key=pid[2], dtype=STORAGE_DTYPES[pid[1].name[6:]], location=pid[3], numel=pid[4])
+
+
+def _reduce(func: Any, args: Any, at: int) -> Any:
+    if not isinstance(func, _Global) or not isinstance(args, tuple):
+        raise ShardBad(f"pickle REDUCE at byte {at} on something that is not an allowed global")
+    if func.name == _ORDERED_DICT:
+        if args:
+            raise ShardBad("pickle builds an OrderedDict with arguments")
+        return {}
+    if func.name == _REBUILD:
+        if len(args) not in (6, 7):
+            raise ShardBad("tensor rebuild with unexpected arguments")
+        storage, offset, shape, stride, requires_grad, hooks = args[:6]
+        if (
+            not isinstance(storage, StorageRef)
+            or not _is_int(offset)
+            or not _int_tuple(shape)
+            or not _int_tuple(stride)
+            or len(shape) != len(stride)
+            or not isinstance(requires_grad, bool)
+            or not isinstance(hooks, dict)
+            or hooks
+            or (len(args) == 7 and args[6] not in (None, {}))
+        ):
+            raise ShardBad("tensor rebuild with malformed arguments")
+        return TensorMeta(storage, offset, shape, stride)
+    raise ShardBad(f"pickle REDUCE at byte {at} calls {func.name!r} (refused, nothing executed)")
+
+
+def _setitem(target: Any, key: Any, value: Any) -> None:
+    if not isinstance(target, dict) or not isinstance(key, str):
+        raise ShardBad("pickle SETITEM on something that is not a dict with string keys")
+    target[key] = value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_tuple(v: Any) -> bool:
+    return isinstance(v, tuple) and len(v) <= 8 and all(_is_int(x) for x in v)
+
+
+# --- verification: one shard ----------------------------------------------------------------
+LEVELS = ("quick", "full", "deep")
+
+
+@dataclass
+class Expect:
+    """What run.json says every shard must hold."""
+
+    hidden_size: int
+    num_aux: int
+    dtype: str
+    vocab_size: int | None = None
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any], source: str = MANIFEST_NAME) -> Expect:
+        try:
+            hidden = manifest["hidden_size"]
+            layer_ids = manifest["layer_ids"]
+            dtype = manifest["dtype"]
+        except KeyError as e:
+            raise ManifestError(f"{source}: run manifest lacks {e.args[0]!r}") from None
+        vocab = manifest.get("vocab_size")
+        if not _is_int(hidden) or hidden <= 0 or not isinstance(layer_ids, list) or not layer_ids:
+            raise ManifestError(f"{source}: hidden_size/layer_ids invalid")
+        if dtype not in HIDDEN_DTYPES:
+            raise ManifestError(f"{source}: dtype {dtype!r} is not one of {', '.join(HIDDEN_DTYPES)}")
+        return cls(hidden, len(layer_ids), dtype, vocab if _is_int(vocab) else None)
+
+
+@dataclass
+class ShardInfo:
+    """What the structure check learnt about a shard (used by the full and deep levels)."""
+
+    size: int
+    num_tokens: int
+    records: list[ZipRecord]
+    cd_offset: int
+    tensors: dict[str, TensorMeta]
+    data: bytes | None = None  # the whole file when it is small enough to have been read at once
+
+    def crc_of(self, rec: ZipRecord) -> int:
+        """The record's CRC32 as this file's central directory states it.
+
+        Records may be shared with a byte-identical layout (see _Layout), so for files held in
+        memory the CRC is read from this file's own bytes, never from the shared record.
+        """
+        if self.data is not None:
+            return _U32.unpack_from(self.data, rec.crc_at)[0]
+        return rec.crc
+
+
+class ShardIOError(Exception):
+    """The shard could not be read (permissions, I/O error): not evidence of bad data."""
+
+
+def inspect_shard(fd: int, expect: Expect, size: int | None = None) -> ShardInfo:
+    """The `quick` level on an open file: zip structure + pickled metadata, nothing executed."""
+    if size is None:
+        size = os.fstat(fd).st_size
+    if size == 0:
+        raise ShardBad("empty file")
+    reader = _Reader(fd, size)
+    if reader.whole is None:
+        return _inspect(reader, expect)
+    key = (size, expect.hidden_size, expect.num_aux, expect.dtype)
+    for layout in _LAYOUTS.get(key, ()):
+        info = layout.match(reader.whole)
+        if info is not None:
+            return info
+    info = _inspect(reader, expect)
+    layouts = _LAYOUTS.setdefault(key, [])
+    if len(layouts) < 4:
+        if sum(len(v) for v in _LAYOUTS.values()) >= 4096:
+            _LAYOUTS.clear()
+            layouts = _LAYOUTS.setdefault(key, [])
+        layouts.append(_Layout(info))
+    return info
+
+
+class _Layout:
+    """Every byte `_inspect` reads from a small shard, except the CRC fields.
+
+    Shards of one run that have the same length are byte-identical outside their tensor data
+    and CRC fields (torch.save writes the same headers, names, padding and pickle). A file
+    whose structural bytes equal those of a file that passed is, by determinism, a file that
+    passes with the same records and tensors: comparing the bytes replaces re-parsing them.
+    The compared regions are: each local header with its name and extra field, the data.pkl
+    and byteorder records, and everything from the central directory to the end of the file
+    except the records' CRC fields (`full` reads those from each file: ShardInfo.crc_of).
+    """
+
+    __slots__ = ("regions", "fingerprint", "info")
+
+    def __init__(self, info: ShardInfo):
+        assert info.data is not None
+        by_leaf = {r.name.rsplit("/", 1)[-1]: r for r in info.records}
+        regions = [(r.header_offset, r.data_offset) for r in info.records]
+        for leaf in ("data.pkl", "byteorder"):
+            if leaf in by_leaf:
+                rec = by_leaf[leaf]
+                regions.append((rec.data_offset, rec.data_offset + rec.size))
+        cursor = info.cd_offset
+        for crc_at in sorted(r.crc_at for r in info.records):
+            regions.append((cursor, crc_at))
+            cursor = crc_at + 4
+        regions.append((cursor, info.size))
+        self.regions = regions
+        self.info = info
+        self.fingerprint = b"".join([info.data[a:b] for a, b in regions])
+
+    def match(self, data: bytes) -> ShardInfo | None:
+        if b"".join([data[a:b] for a, b in self.regions]) != self.fingerprint:
+            return None
+        base = self.info
+        return ShardInfo(base.size, base.num_tokens, base.records, base.cd_offset, base.tensors, data)
+
+
+_LAYOUTS: dict[tuple[int, int, int, str], list[_Layout]] = {}
+
+
+def _inspect(reader: _Reader, expect: Expect) -> ShardInfo:
+    """The structure check proper (inspect_shard adds the layout memo in front of it)."""
+    size = reader.size
+    records, cd_offset = read_zip_records(reader)
+    by_name = {r.name: r for r in records}
+    prefix = records[0].name.split("/", 1)[0] if "/" in records[0].name else ""
+    if not prefix or any(not r.name.startswith(prefix + "/") for r in records):
+        raise ShardBad("records do not share one archive folder (not a torch.save file)")
+    pkl = by_name.get(f"{prefix}/data.pkl")
+    if pkl is None:
+        raise ShardBad("no data.pkl record")
+    if f"{prefix}/version" not in by_name:
+        raise ShardBad("no version record")
+    order = by_name.get(f"{prefix}/byteorder")
+    if order is not None and reader.read(order.data_offset, order.size) != b"little":
+        raise ShardBad("byteorder record is not 'little'")
+    tensors = _parse_pickle_cached(reader.read(pkl.data_offset, pkl.size))
+    missing = [k for k in SHARD_KEYS if k not in tensors]
+    extra = sorted(k for k in tensors if k not in SHARD_KEYS)
+    if missing or extra:
+        parts = ([f"missing keys {missing}"] if missing else []) + (
+            [f"unexpected keys {extra}"] if extra else []
+        )
+        raise ShardBad(", ".join(parts))
+    for key, t in tensors.items():
+        _check_tensor_bounds(key, t, by_name, prefix)
+    length = tensors[KEY_INPUT_IDS].shape[0] if len(tensors[KEY_INPUT_IDS].shape) == 1 else -1
+    h, k = expect.hidden_size, expect.num_aux
+    want = {
+        KEY_INPUT_IDS: (length,),
+        KEY_LOSS_MASK: (length,),
+        KEY_HIDDEN: (1, length, h),
+        KEY_AUX: (1, length, k * h),
+    }
+    for key in SHARD_KEYS:
+        if tensors[key].shape != want[key] or length < 1:
+            raise ShardBad(
+                f"{key} has shape {list(tensors[key].shape)}, expected {list(want[key])} "
+                f"(L={length}, H={h}, k={k} from run.json)"
+            )
+    dtypes = {KEY_INPUT_IDS: (INPUT_IDS_DTYPE,), KEY_LOSS_MASK: LOSS_MASK_DTYPES}
+    for key in SHARD_KEYS:
+        allowed = dtypes.get(key, (expect.dtype,))
+        if tensors[key].storage.dtype not in allowed:
+            raise ShardBad(f"{key} is {tensors[key].storage.dtype}, expected {' or '.join(allowed)}")
+    return ShardInfo(size, length, records, cd_offset, tensors, reader.whole)
+
+
+_PICKLE_CACHE: dict[bytes, dict[str, TensorMeta]] = {}
+
+
+def _parse_pickle_cached(data: bytes) -> dict[str, TensorMeta]:
+    """read_tensor_pickle memoised on the exact bytes (a pure function of them).
+
+    Shards of one run differ in their pickle only by L, so most files repeat an earlier one.
+    Only successful parses are kept; the results are never mutated.
+    """
+    hit = _PICKLE_CACHE.get(data)
+    if hit is None:
+        hit = read_tensor_pickle(data)
+        if len(_PICKLE_CACHE) >= 4096:
+            _PICKLE_CACHE.clear()
+        _PICKLE_CACHE[data] = hit
+    return hit
+
+
+def _check_tensor_bounds(key: str, t: TensorMeta, by_name: dict[str, ZipRecord], prefix: str) -> None:
+    s = t.storage
+    rec = by_name.get(f"{prefix}/data/{s.key}")
+    if rec is None:
+        raise ShardBad(f"{key}: storage record data/{s.key} missing")
+    itemsize = DTYPES[s.dtype][1]
+    if rec.size != s.numel * itemsize:
+        raise ShardBad(
+            f"{key}: storage data/{s.key} holds {rec.size} bytes, pickle says {s.numel} x {itemsize}"
+        )
+    if s.location != "cpu":
+        raise ShardBad(f"{key}: stored on {s.location!r}, not cpu (loading would need that device)")
+    if t.offset < 0 or any(n < 0 for n in t.shape) or any(st < 0 for st in t.stride):
+        raise ShardBad(f"{key}: negative offset, size or stride")
+    if all(n > 0 for n in t.shape):
+        last = t.offset + sum((n - 1) * st for n, st in zip(t.shape, t.stride, strict=True))
+        if last >= s.numel:
+            raise ShardBad(f"{key}: view reaches element {last} of a {s.numel}-element storage")
+
+
+_CHUNK = 8 << 20
+_DIRECT_CRC_MAX = 16 << 20
+
+
+def crc_check(fd: int, info: ShardInfo, buf: bytearray | None = None) -> int:
+    """`full`: CRC32 of every record against the zip directory, in one sequential pass.
+
+    Returns the whole file's CRC32, built from the same pass with crc32_combine so each byte
+    is checksummed once (the index stores the whole-file CRC).
+    """
+    if info.data is not None:  # small file, already in memory from the structure check
+        view = memoryview(info.data)
+        chunk = len(info.data)
+    else:
+        chunk = min(_CHUNK, info.size)
+        view = memoryview(buf if buf is not None and len(buf) >= chunk else bytearray(chunk))
+    # Regions in file order: (start, end, record or None for the bytes between records).
+    regions: list[tuple[int, int, ZipRecord | None]] = []
+    cursor = 0
+    for rec in sorted(info.records, key=lambda r: r.data_offset):
+        if rec.data_offset > cursor:
+            regions.append((cursor, rec.data_offset, None))
+        regions.append((rec.data_offset, rec.data_offset + rec.size, rec))
+        cursor = rec.data_offset + rec.size
+    if cursor < info.size:
+        regions.append((cursor, info.size, None))
+    if hasattr(os, "posix_fadvise") and info.size > _CHUNK:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    direct = info.size <= _DIRECT_CRC_MAX  # small file: a second CRC pass is cheaper than combining
+    whole = 0
+    ri = 0
+    region_crc = 0
+    pos = 0
+    while pos < info.size:
+        n = info.size if info.data is not None else os.preadv(fd, [view[: min(chunk, info.size - pos)]], pos)
+        if n <= 0:
+            raise ShardBad(f"file shrank while reading (at byte {pos} of {info.size})")
+        chunk_start, chunk_end = pos, pos + n
+        if direct:
+            whole = zlib.crc32(view[:n], whole)
+        while ri < len(regions) and regions[ri][0] < chunk_end:
+            start, end, rec = regions[ri]
+            a, b = max(start, chunk_start), min(end, chunk_end)
+            region_crc = zlib.crc32(view[a - chunk_start : b - chunk_start], region_crc)
+            if end > chunk_end:
+                break
+            if rec is not None and region_crc != info.crc_of(rec):
+                raise ShardBad(f"record {rec.name!r}: CRC32 mismatch (data damaged)")
+            if not direct:
+                whole = crc32_combine(whole, region_crc, end - start)
+            region_crc = 0
+            ri += 1
+        pos = chunk_end
+    return whole
+
+
+# GF(2) polynomial arithmetic for crc32_combine (zlib's algorithm; Python's zlib lacks it).
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                break
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+def _x2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of A+B from crc32(A), crc32(B) and len(B)."""
+    if len2 <= 0:
+        return crc1
+    p, k, n = 1 << 31, 3, len2  # x^0; len2 bytes = len2 * 2^3 bits
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
+
+
+def check_shard(
+    path: str,
+    expect: Expect,
+    level: str = "quick",
+    entry: IndexEntry | None = None,
+    deep_check: Callable[[str, Expect, ShardInfo], str | None] | None = None,
+) -> tuple[int, int]:
+    """Verify one shard at `level`; returns (bytes read, num_tokens).
+
+    Raises ShardBad(reason) for bad data and ShardIOError when the file cannot be read.
+    `deep_check` (torch-based, outside this file) returns a reason or None.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise ShardBad("file disappeared during verification") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ShardBad("a symlink, not a regular file") from None
+        raise ShardIOError(f"{path}: cannot open: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ShardBad("not a regular file")
+        try:
+            info = inspect_shard(fd, expect, st.st_size)
+            read = info.size if info.size <= _SMALL_FILE else 0
+            if entry is not None:
+                if info.size != entry.size:
+                    raise ShardBad(f"size {info.size} differs from the index ({entry.size})")
+                if info.num_tokens != entry.num_tokens:
+                    raise ShardBad(f"{info.num_tokens} tokens, the index says {entry.num_tokens}")
+            if level in ("full", "deep"):
+                whole = crc_check(fd, info)
+                read = info.size
+                if entry is not None and checksum_string(whole) != entry.checksum:
+                    raise ShardBad(
+                        f"file checksum {checksum_string(whole)} differs from the index ({entry.checksum})"
+                    )
+            if level == "deep" and deep_check is not None:
+                reason = deep_check(path, expect, info)
+                if reason:
+                    raise ShardBad(reason)
+        except OSError as e:
+            raise ShardIOError(f"{path}: read error: {e.strerror or e}") from None
+        return read, info.num_tokens
+    finally:
+        os.close(fd)
+
+
+# --- verification: a whole output directory -------------------------------------------------
+@dataclass
+class BadShard:
+    sample_id: str | None
+    path: str
+    reason: str
+
+
+@dataclass
+class VerifyReport:
+    level: str
+    checked: int = 0
+    ok: int = 0
+    bad: list[BadShard] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unindexed: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+    orphans_removed: int = 0
+    quarantined: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    index_bad_lines: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        """0 all good, 1 bad or missing shards, 2 I/O errors (then nothing was moved)."""
+        if self.errors:
+            return 2
+        return 1 if self.bad or self.missing else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "level": self.level,
+            "checked": self.checked,
+            "ok": self.ok,
+            "bad": [asdict(b) for b in self.bad],
+            "missing": self.missing,
+            "unindexed": self.unindexed,
+            "orphans_removed": self.orphans_removed,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+            "orphans": self.orphans,
+            "quarantined": self.quarantined,
+            "errors": self.errors,
+            "index_bad_lines": self.index_bad_lines,
+        }
+
+
+_INDEX_PATH = re.compile(rf"^{SHARDS_DIR}/[0-9a-f]{{{BUCKET_HEX_CHARS}}}/[^/]+\.pt$")
+
+
+def scan_shards(output_dir: str) -> list[str]:
+    """Relative paths of every `.pt` entry in shards/<bucket>/ (regular files or not)."""
+    found = []
+    root = os.path.join(output_dir, SHARDS_DIR)
+    try:
+        with os.scandir(root) as it:
+            buckets = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+    except FileNotFoundError:
+        return found
+    for b in buckets:
+        with os.scandir(os.path.join(root, b)) as it:
+            found.extend(f"{SHARDS_DIR}/{b}/{e.name}" for e in it if is_shard_name(e.name))
+    found.sort()
+    return found
+
+
+def _check_batch(
+    output_dir: str,
+    jobs: list[tuple[str, IndexEntry | None]],
+    level: str,
+    expect: Expect,
+    deep_check: Callable[[str, Expect, ShardInfo], str | None] | None,
+) -> list[tuple[str, str, str, int]]:
+    """Worker body: (relpath, 'ok'|'bad'|'error', reason, bytes) per job."""
+    out = []
+    for rel, entry in jobs:
+        try:
+            nbytes, _ = check_shard(os.path.join(output_dir, rel), expect, level, entry, deep_check)
+            out.append((rel, "ok", "", nbytes))
+        except ShardBad as e:
+            out.append((rel, "bad", str(e), 0))
+        except ShardIOError as e:
+            out.append((rel, "error", str(e), 0))
+    return out
+
+
+def verify_output(
+    output_dir: str,
+    level: str = "quick",
+    *,
+    quarantine: bool = False,
+    check_mode: bool = False,
+    workers: int = 1,
+    deep_check: Callable[[str, Expect, ShardInfo], str | None] | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
+    orphan_min_age: float = 600.0,
+) -> VerifyReport:
+    """Verify every shard of a run, reconcile with the index, and (if asked) quarantine.
+
+    With quarantine and not check_mode: bad shards move to quarantine/ with a reason file,
+    index tombstones make bad and missing samples "not done", and writer temps older than
+    orphan_min_age seconds are deleted (younger ones may belong to a live writer). Nothing
+    moves when any file could not be read (report.errors) - an I/O problem is not bad data.
+    Raises ManifestError when output_dir is not a run.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
+    if level == "deep" and deep_check is None:
+        raise ValueError("level 'deep' needs a deep_check (it loads tensors with torch)")
+    started = time.monotonic()
+    if not os.path.isdir(output_dir):
+        raise ManifestError(f"{output_dir}: not a directory")
+    expect = Expect.from_manifest(read_manifest_dict(output_dir), os.path.join(output_dir, MANIFEST_NAME))
+    report = VerifyReport(level=level)
+    try:
+        state = read_index(output_dir)
+    except PermissionError as e:
+        raise ManifestError(f"{os.path.join(output_dir, INDEX_NAME)}: cannot read: {e.strerror}") from None
+    report.index_bad_lines = state.bad_lines
+    try:
+        on_disk = scan_shards(output_dir)
+        report.orphans = find_orphan_temps(output_dir)
+    except PermissionError as e:
+        raise ManifestError(f"{e.filename}: cannot list: {e.strerror}") from None
+
+    disk_set = set(on_disk)
+    by_path: dict[str, IndexEntry] = {}
+    for sid, entry in sorted(state.entries.items()):
+        if not _INDEX_PATH.match(entry.path) or ".." in entry.path.split("/"):
+            report.bad.append(BadShard(sid, entry.path, "index entry points outside shards/ (not touched)"))
+        elif entry.path not in disk_set:
+            report.missing.append(sid)
+        else:
+            by_path[entry.path] = entry
+    report.unindexed = [p for p in on_disk if p not in by_path]
+    jobs = [(p, by_path.get(p)) for p in on_disk]
+
+    batch = max(1, min(256, len(jobs) // max(1, workers * 8) or 1))
+    batches = [jobs[i : i + batch] for i in range(0, len(jobs), batch)]
+    done = 0
+    results: list[tuple[str, str, str, int]] = []
+    # Forking workers costs ~0.1 s; worth it only when there is enough work to share.
+    if workers > 1 and len(batches) > 1 and len(jobs) >= (1000 if level == "quick" else 4 * workers):
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            futures = [pool.submit(_check_batch, output_dir, b, level, expect, deep_check) for b in batches]
+            for fut in cf.as_completed(futures):
+                part = fut.result()
+                results.extend(part)
+                done += len(part)
+                report.bytes += sum(r[3] for r in part)
+                if progress:
+                    progress(done, len(jobs), report.bytes)
+    else:
+        for b in batches:
+            part = _check_batch(output_dir, b, level, expect, deep_check)
+            results.extend(part)
+            done += len(part)
+            report.bytes += sum(r[3] for r in part)
+            if progress:
+                progress(done, len(jobs), report.bytes)
+
+    results.sort()
+    for rel, status, reason, _ in results:
+        report.checked += 1
+        entry = by_path.get(rel)
+        if status == "ok":
+            report.ok += 1
+        elif status == "bad":
+            report.bad.append(BadShard(entry.sample_id if entry else None, rel, reason))
+        else:
+            report.errors.append(reason)
+
+    if quarantine and not check_mode and not report.errors:
+        _quarantine(output_dir, report, level)
+        cutoff = time.time() - orphan_min_age
+        for rel in report.orphans:
+            full = os.path.join(output_dir, rel)
+            try:
+                if os.lstat(full).st_mtime <= cutoff:
+                    os.unlink(full)
+                    report.orphans_removed += 1
+            except FileNotFoundError:
+                continue
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _quarantine(output_dir: str, report: VerifyReport, level: str) -> None:
+    """Move bad shards aside with a reason file; tombstone them and missing ones in the index."""
+    tombstones = []
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for bad in report.bad:
+        if bad.reason.endswith("(not touched)"):
+            if bad.sample_id is not None:
+                tombstones.append(tombstone_record(bad.sample_id, bad.reason))
+            continue
+        src = os.path.join(output_dir, bad.path)
+        parts = bad.path.split("/")
+        qdir = os.path.join(output_dir, QUARANTINE_DIR, *parts[1:-1])
+        os.makedirs(qdir, exist_ok=True)
+        dest = os.path.join(qdir, parts[-1])
+        n = 1
+        while os.path.lexists(dest) or os.path.lexists(dest + REASON_SUFFIX):
+            dest = os.path.join(qdir, f"{parts[-1]}.{n}")
+            n += 1
+        reason = {
+            "sample_id": bad.sample_id,
+            "path": bad.path,
+            "reason": bad.reason,
+            "level": level,
+            "at": now,
+        }
+        atomic_write_bytes(dest + REASON_SUFFIX, json.dumps(reason, indent=2).encode("utf-8") + b"\n")
+        try:
+            os.rename(src, dest)
+        except FileNotFoundError:
+            os.unlink(dest + REASON_SUFFIX)
+            continue
+        fsync_dir(os.path.dirname(src))
+        fsync_dir(qdir)
+        report.quarantined.append(os.path.relpath(dest, output_dir))
+        if bad.sample_id is not None:
+            tombstones.append(tombstone_record(bad.sample_id, bad.reason))
+    tombstones.extend(tombstone_record(sid, "missing on disk") for sid in report.missing)
+    append_index(output_dir, tombstones)

@@ -1,0 +1,111 @@
+"""run.json: what a run extracted, so a resume never mixes two runs in one output directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from extraction.shards.format import (
+    FORMAT_VERSION,
+    HIDDEN_DTYPES,
+    MANIFEST_NAME,
+    ManifestError,
+    atomic_write_bytes,
+    read_manifest_dict,
+)
+
+# Compared by manifest_mismatches: everything that changes what a shard means.
+_IGNORED = ("created_at", "extra")
+
+
+@dataclass
+class RunManifest:
+    """The run's identity. `extra` is free-form (host, batch size...) and never compared."""
+
+    model: str
+    hidden_size: int
+    num_layers: int
+    layer_ids: list[int]
+    layer_convention: str  # e.g. "hf_hidden_states_index" (HF hidden_states[i] = input of layer i)
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    revision: str | None = None
+    final_normed: bool = True
+    vocab_size: int | None = None
+    tokenizer_hash: str | None = None
+    chat_template_hash: str | None = None
+    dataset_path: str | None = None
+    dataset_hash: str | None = None
+    format_version: int = FORMAT_VERSION
+    created_at: str = field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_aux(self) -> int:
+        """k: how many captured layers aux_hidden_state concatenates."""
+        return len(self.layer_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = MANIFEST_NAME) -> RunManifest:
+        """Build from a parsed run.json; unknown keys go to `extra` so newer files still load."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        known = {k: v for k, v in data.items() if k in names}
+        unknown = {k: v for k, v in data.items() if k not in names}
+        known["extra"] = {**dict(known.get("extra") or {}), **unknown}
+        try:
+            manifest = cls(**known)
+        except TypeError as e:
+            raise ManifestError(f"{source}: invalid run manifest: {e}") from None
+        problems = manifest.problems()
+        if problems:
+            raise ManifestError(f"{source}: invalid run manifest: {'; '.join(problems)}")
+        return manifest
+
+    def problems(self) -> list[str]:
+        out = []
+        if not isinstance(self.hidden_size, int) or self.hidden_size <= 0:
+            out.append(f"hidden_size must be a positive integer, got {self.hidden_size!r}")
+        if not isinstance(self.num_layers, int) or self.num_layers <= 0:
+            out.append(f"num_layers must be a positive integer, got {self.num_layers!r}")
+        if not isinstance(self.layer_ids, list) or not all(isinstance(i, int) for i in self.layer_ids):
+            out.append(f"layer_ids must be a list of integers, got {self.layer_ids!r}")
+        elif not self.layer_ids:
+            out.append("layer_ids must not be empty")
+        if self.dtype not in HIDDEN_DTYPES:
+            out.append(f"dtype must be one of {', '.join(HIDDEN_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.format_version, int) or self.format_version > FORMAT_VERSION:
+            out.append(f"format_version {self.format_version!r} is newer than this code ({FORMAT_VERSION})")
+        return out
+
+
+def write_manifest(output_dir: str | os.PathLike[str], manifest: RunManifest) -> None:
+    """Write run.json atomically (creates the output directory if needed)."""
+    output_dir = os.fspath(output_dir)
+    problems = manifest.problems()
+    if problems:
+        raise ManifestError(f"refusing to write an invalid run manifest: {'; '.join(problems)}")
+    os.makedirs(output_dir, exist_ok=True)
+    data = json.dumps(manifest.to_dict(), indent=2, sort_keys=True).encode("utf-8") + b"\n"
+    atomic_write_bytes(os.path.join(output_dir, MANIFEST_NAME), data)
+
+
+def read_manifest(output_dir: str | os.PathLike[str]) -> RunManifest:
+    """The run's manifest; ManifestError names the path when it is missing or invalid."""
+    output_dir = os.fspath(output_dir)
+    return RunManifest.from_dict(read_manifest_dict(output_dir), os.path.join(output_dir, MANIFEST_NAME))
+
+
+def manifest_mismatches(existing: RunManifest, wanted: RunManifest) -> list[str]:
+    """One human-readable line per field that differs (created_at and extra are ignored)."""
+    a, b = existing.to_dict(), wanted.to_dict()
+    return [
+        f"{name}: existing run has {a.get(name)!r}, this run wants {b.get(name)!r}"
+        for name in sorted(set(a) | set(b))
+        if name not in _IGNORED and a.get(name) != b.get(name)
+    ]

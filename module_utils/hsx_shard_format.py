@@ -1,0 +1,1 @@
+../extraction/shards/format.py

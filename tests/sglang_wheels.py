@@ -1,0 +1,140 @@
+"""Real SGLang release files for tests, downloaded once and cached outside the repository.
+
+`pip download --no-deps sglang==X` gives the wheel (a zip, ~40 MB); we keep only the few files the
+tests read (deepseek_v2.py, the version files, aux_hidden_states.py) under
+$HSX_SGLANG_WHEELS (default ~/.cache/hsx/sglang-wheels)/<version>/, so CI re-runs reuse them.
+
+    python tests/sglang_wheels.py            # prefetch every supported release (+ the refused one)
+    python tests/sglang_wheels.py --check    # list registry releases missing from versions.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+KEEP = {
+    "sglang/srt/models/deepseek_v2.py": "deepseek_v2.py",
+    "sglang/_version.py": "_version.py",
+    "sglang/version.py": "version.py",
+    "sglang/srt/layers/aux_hidden_states.py": "aux_hidden_states.py",
+}
+# Wheels are cp311 manylinux from 0.5.11 on; ask for that platform explicitly so a runner on
+# another Python version still gets the same files.
+PIP_PLATFORM = ["--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64"]
+
+_failures: dict[str, str] = {}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("HSX_SGLANG_WHEELS") or Path.home() / ".cache" / "hsx" / "sglang-wheels")
+
+
+def release_dir(version: str) -> tuple[Path | None, str]:
+    """The cached files of one release (downloading them if needed), or None and why not."""
+    dest = cache_root() / version
+    if (dest / ".complete").exists():
+        return dest, ""
+    if version in _failures:
+        return None, _failures[version]
+    if len(_failures) >= 2:  # offline: do not spend a pip run on every remaining release
+        return None, f"not tried after {len(_failures)} failed downloads ({next(iter(_failures.values()))})"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="hsx-wheel-", dir=dest.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PIP_PLATFORM]
+        cmd += [f"sglang=={version}", "-d", tmp]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _failures[version] = f"pip download sglang=={version} failed: {exc}"
+            return None, _failures[version]
+        wheels = list(Path(tmp).glob("sglang-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel"]
+            _failures[version] = f"pip download sglang=={version} failed: {tail[0]}"
+            return None, _failures[version]
+        staging = Path(tmp) / "files"
+        staging.mkdir()
+        with zipfile.ZipFile(wheels[0]) as zf:
+            names = set(zf.namelist())
+            for member, name in KEEP.items():
+                if member in names:
+                    (staging / name).write_bytes(zf.read(member))
+        (staging / ".complete").write_text(wheels[0].name + "\n")
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(staging, dest)  # atomic: a concurrent run sees all files or none
+    return dest, ""
+
+
+def require(version: str) -> Path:
+    """release_dir for pytest: skips the test with the reason when the release is unavailable."""
+    import pytest
+
+    path, why = release_dir(version)
+    if path is None:
+        pytest.skip(f"SGLang {version} files unavailable: {why}")
+    return path
+
+
+def make_package(version: str, site: Path) -> Path:
+    """A minimal installed `sglang` package tree (real files of the release) under `site`."""
+    src = require(version)
+    pkg = site / "sglang"
+    (pkg / "srt" / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    shutil.copy(src / "deepseek_v2.py", pkg / "srt" / "models" / "deepseek_v2.py")
+    for name in ("_version.py", "version.py"):
+        if (src / name).exists():
+            shutil.copy(src / name, pkg / name)
+    return pkg
+
+
+def registry_versions() -> list[str] | None:
+    """All sglang releases the registry lists, newest first; None when it cannot be asked."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "index", "versions", "sglang"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"Available versions:\s*(.+)", proc.stdout)
+    return [v.strip() for v in m.group(1).split(",")] if m else None
+
+
+def missing_releases() -> list[str] | None:
+    """Registry releases >= the floor that versions.py does not list yet."""
+    from extraction.sglang.versions import MIN_VERSION, SUPPORTED_VERSIONS, release_key
+
+    listed = registry_versions()
+    if listed is None:
+        return None
+    floor = release_key(MIN_VERSION)
+    return sorted(
+        (v for v in listed if (k := release_key(v)) and k >= floor and v not in SUPPORTED_VERSIONS),  # type: ignore[operator]
+        key=release_key,  # type: ignore[arg-type, return-value]
+    )
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from extraction.sglang.versions import SUPPORTED_VERSIONS, UNSUPPORTED_EXAMPLE
+
+    if "--check" in sys.argv:
+        missing = missing_releases()
+        print("registry unreachable" if missing is None else f"not in versions.py: {missing or 'none'}")
+        sys.exit(1 if missing else 0)
+    bad = 0
+    for v in (*SUPPORTED_VERSIONS, UNSUPPORTED_EXAMPLE):
+        path, why = release_dir(v)
+        print(f"{v}: {path or why}")
+        bad += path is None
+    sys.exit(1 if bad else 0)

@@ -1,0 +1,245 @@
+"""TEST-ONLY stand-in for an SGLang server running our patched deepseek_v2.py. It is NOT SGLang.
+
+It stands in for `python -m sglang.launch_server --model-path M ...` with the dump patch applied and
+HSX_DUMP_DIR set, where no GPU (or no SGLang) is available: the lab hosts, CI, the sglang_server
+role's tests. It answers the two endpoints extraction uses, GET /health and POST /generate
+(input_ids, rid, sampling_params.max_new_tokens), and produces the dump files by calling the
+project's REAL hook module (extraction/sglang/hook.py, the file deployed into SGLang) with
+ForwardBatch-like objects, exactly at the point the patched model would:
+
+- a scheduler thread batches queued requests into forward passes of at most
+  --chunked-prefill-size tokens, so long prompts are split across passes (chunked prefill) and
+  several requests share a pass (ragged batches), with rids / extend_seq_lens_cpu /
+  extend_prefix_lens_cpu filled in as SGLang does;
+- each request's states come from the tiny model run in transformers (one unpadded forward per
+  request, through extraction/backends/hf.py), captured layers in the hook's list form;
+- the reply carries one greedy token id, as a max_new_tokens=1 generate would.
+
+What it does not model: GPU numerics, CUDA graphs, tensor parallelism, the radix cache, decode.
+
+    python tests/standin_sglang/server.py --model-path DIR --port 30000 [--chunked-prefill-size 64]
+(unknown SGLang flags are accepted and ignored, so a unit file can keep its real command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from extraction.backends.base import Sample  # noqa: E402
+from extraction.sglang import hook  # noqa: E402
+
+
+class ForwardMode:
+    """The one ForwardMode member the hook looks at (by name)."""
+
+    name = "EXTEND"
+
+
+@dataclass
+class _Request:
+    rid: str
+    input_ids: torch.Tensor
+    done: threading.Event = field(default_factory=threading.Event)
+    next_pos: int = 0
+    states: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # final [L,H], per-layer [L,H]
+    output_id: int | None = None
+    error: str | None = None
+
+
+class StandInServer:
+    """The server object; tests run it in-process (start/stop), the script via serve_forever."""
+
+    def __init__(
+        self, model_path: str, host: str = "127.0.0.1", port: int = 0, chunk: int = 64, dtype: str = "bf16"
+    ):
+        from extraction.backends.hf import HFBackend
+
+        self.chunk = max(1, int(chunk))
+        self.hf = HFBackend(model_path, layer_ids=[], dtype="bf16" if dtype == "auto" else dtype)
+        # The two attributes of DeepseekV2Model the hook touches; attach() reads HSX_DUMP_* from
+        # the environment, as in the real server.
+        self.model = SimpleNamespace(
+            config=SimpleNamespace(num_hidden_layers=self.hf.num_layers), layers_to_capture=[]
+        )
+        self.model._hsx_dump = hook.attach(self.model)
+        if self.model._hsx_dump is not None:
+            self.model._hsx_dump.version = "standin"
+        self.queue: queue.Queue[_Request | None] = queue.Queue()
+        self.ready = threading.Event()
+        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._threads: list[threading.Thread] = []
+
+    # ---------------------------------------------------------------- model side
+
+    def _states(self, req: _Request) -> None:
+        """One unpadded forward of the whole prompt; the passes below cut pieces out of it."""
+        layers = list(self.model.layers_to_capture)
+        self.hf.set_layers(layers or [0])
+        (out,) = self.hf.extract([Sample("x", req.input_ids, torch.ones_like(req.input_ids))])
+        h = out.hidden_state.shape[-1]
+        per_layer = list(out.aux_hidden_state.split(h, dim=-1)) if layers else []
+        req.states = (out.hidden_state, per_layer)
+        req.output_id = int(req.input_ids[-1])  # a token id stands in for the greedy sample
+
+    def _forward(self, pieces: list[tuple[_Request, int, int]]) -> None:
+        """One prefill pass, as DeepseekV2Model.forward ends it: final state + aux list -> hook."""
+        final = torch.cat([r.states[0][s:e] for r, s, e in pieces])
+        aux = [
+            torch.cat([r.states[1][k][s:e] for r, s, e in pieces]) for k in range(len(pieces[0][0].states[1]))
+        ]
+        batch = SimpleNamespace(
+            forward_mode=ForwardMode(),
+            rids=[r.rid for r, _, _ in pieces],
+            extend_seq_lens_cpu=[e - s for _, s, e in pieces],
+            extend_prefix_lens_cpu=[s for _, s, _ in pieces],
+            input_ids=torch.cat([r.input_ids[s:e] for r, s, e in pieces]),
+        )
+        if self.model._hsx_dump is not None:
+            self.model._hsx_dump.after_forward(batch, final, aux)
+
+    def _scheduler(self) -> None:
+        active: list[_Request] = []
+        while True:
+            block = not active
+            try:
+                while True:
+                    item = self.queue.get(block=block, timeout=None)
+                    if item is None:
+                        return
+                    try:
+                        self._states(item)
+                        active.append(item)
+                    except Exception as exc:  # a bad request fails alone
+                        item.error = f"{type(exc).__name__}: {exc}"
+                        item.done.set()
+                    block = False
+            except queue.Empty:
+                pass
+            if not active:
+                continue
+            budget, pieces = self.chunk, []
+            for req in active:
+                if budget == 0:
+                    break
+                n = min(budget, len(req.input_ids) - req.next_pos)
+                pieces.append((req, req.next_pos, req.next_pos + n))
+                budget -= n
+            self._forward(pieces)
+            for req, _s, e in pieces:
+                req.next_pos = e
+                if e == len(req.input_ids):
+                    req.done.set()
+            active = [r for r in active if not r.done.is_set()]
+
+    # ---------------------------------------------------------------- HTTP side
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _reply(self, code: int, body: dict | str) -> None:
+                data = (json.dumps(body) if isinstance(body, dict) else body).encode()
+                self.send_response(code)
+                self.send_header(
+                    "Content-Type", "application/json" if isinstance(body, dict) else "text/plain"
+                )
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    return self._reply(
+                        200 if server.ready.is_set() else 503, "OK" if server.ready.is_set() else ""
+                    )
+                self._reply(404, {"error": f"no route {self.path}"})
+
+            def do_POST(self):
+                if self.path != "/generate":
+                    return self._reply(404, {"error": f"no route {self.path}"})
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                    ids = torch.tensor(body["input_ids"], dtype=torch.long)
+                    if ids.dim() != 1 or ids.numel() == 0:
+                        raise ValueError("input_ids must be a non-empty list of ints")
+                    rid = str(body.get("rid") or os.urandom(8).hex())
+                except Exception as exc:
+                    return self._reply(400, {"error": f"bad request: {exc}"})
+                req = _Request(rid, ids)
+                server.queue.put(req)
+                req.done.wait()
+                if req.error:
+                    return self._reply(500, {"error": req.error})
+                meta = {
+                    "id": rid,
+                    "prompt_tokens": int(ids.numel()),
+                    "completion_tokens": 1,
+                    "finish_reason": {"type": "length", "length": 1},
+                }
+                self._reply(200, {"text": "", "output_ids": [req.output_id], "meta_info": meta})
+
+        return Handler
+
+    def start(self) -> StandInServer:
+        for target in (self._scheduler, self.httpd.serve_forever):
+            t = threading.Thread(target=target, daemon=True)
+            t.start()
+            self._threads.append(t)
+        self.ready.set()
+        return self
+
+    def stop(self) -> None:
+        self.ready.clear()
+        self.queue.put(None)
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        for t in self._threads:
+            t.join(timeout=10)
+
+    @property
+    def url(self) -> str:
+        host = self.httpd.server_address[0]
+        return f"http://{host}:{self.port}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--chunked-prefill-size", type=int, default=64)
+    parser.add_argument("--dtype", default="auto")
+    args, _ignored = parser.parse_known_args(argv)
+    server = StandInServer(
+        args.model_path, args.host, args.port, args.chunked_prefill_size, args.dtype
+    ).start()
+    print(
+        f"stand-in SGLang server on {server.url} (dumps: {os.environ.get(hook.ENV_DIR) or 'off'})", flush=True
+    )
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

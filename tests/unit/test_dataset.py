@@ -1,0 +1,148 @@
+"""Dataset rows -> samples: both shapes, stable ids, assistant-only loss mask, bad rows kept out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from extraction.dataset import (
+    ChatTokenizer,
+    Conversation,
+    content_id,
+    load_tokenizer,
+    read_conversations,
+    scan_dataset,
+    tokenizer_hash,
+)
+
+MSGS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is up?"},
+    {"role": "assistant", "content": "The sky."},
+    {"role": "user", "content": "And down?"},
+    {"role": "assistant", "content": "The ground!"},
+]
+SHAREGPT = {
+    "conversations": [
+        {"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+        for m in MSGS
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: Path):
+    return load_tokenizer(tiny_model_dir)
+
+
+def _write(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_both_shapes_same_id_and_tokens(tmp_path: Path, tok) -> None:
+    ds = _write(tmp_path / "d.jsonl", [{"messages": MSGS}, {"id": 17, **SHAREGPT}])
+    scan = scan_dataset(ds)
+    assert scan.errors == []
+    ids = [e.sample_id for e in scan.entries]
+    assert ids == [content_id(MSGS), "17"]
+    convs = list(read_conversations(ds, scan.entries))
+    assert convs[0].messages == convs[1].messages == MSGS
+    ct = ChatTokenizer(tok)
+    a, b = (ct.encode(c) for c in convs)
+    assert a.input_ids.tolist() == b.input_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
+    # The id does not depend on where the row is or what else is in the file.
+    again = scan_dataset(
+        _write(
+            tmp_path / "e.jsonl",
+            [
+                {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+                {"messages": MSGS},
+            ],
+        )
+    )
+    assert again.entries[1].sample_id == ids[0]
+
+
+def test_loss_mask_is_exactly_the_assistant_turns(tok) -> None:
+    ct = ChatTokenizer(tok)
+    s = ct.encode(Conversation("x", MSGS, 1))
+    text = tok.decode(s.input_ids)
+    assert text == tok.apply_chat_template(MSGS, tokenize=False)
+    masked = s.input_ids[s.loss_mask.bool()]
+    # Assistant content plus its closing tokens; never a user/system word or an assistant header.
+    assert tok.decode(masked) == "The sky.<|end|><|eos|>The ground!<|end|><|eos|>"
+    runs = [tok.decode(s.input_ids[i:j]) for i, j in _runs(s.loss_mask.tolist())]
+    assert runs == ["The sky.<|end|><|eos|>", "The ground!<|end|><|eos|>"]
+    assert not s.truncated and s.meta["num_tokens_full"] == len(s.input_ids)
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    out, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_truncation_recorded(tok) -> None:
+    full = ChatTokenizer(tok).encode(Conversation("x", MSGS, 1))
+    cut = ChatTokenizer(tok, max_length=10).encode(Conversation("x", MSGS, 1))
+    assert cut.truncated and len(cut.input_ids) == 10
+    assert cut.meta["num_tokens_full"] == len(full.input_ids) > 10
+    assert cut.input_ids.tolist() == full.input_ids[:10].tolist()
+    assert cut.loss_mask.tolist() == full.loss_mask[:10].tolist()
+
+
+def test_malformed_rows_logged_with_line_and_reason(tmp_path: Path) -> None:
+    ds = _write(
+        tmp_path / "bad.jsonl",
+        [
+            {"messages": MSGS},  # 1 ok
+            "{not json",  # 2
+            {"text": "no conversation"},  # 3
+            {"messages": [{"role": "user", "content": "only a question"}]},  # 4
+            {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},  # 5
+            {"conversations": [{"from": "human"}]},  # 6
+            {"messages": MSGS},  # 7 duplicate of line 1 (same content, no id)
+            {"id": "a", **SHAREGPT},  # 8 ok
+            {"id": "a", "messages": MSGS[:3]},  # 9 duplicate id
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url"}]},
+                    {"role": "assistant", "content": "y"},
+                ]
+            },  # 10
+            [1, 2],  # 11
+            {"id": True, "messages": MSGS},  # 12
+        ],
+    )
+    scan = scan_dataset(ds)
+    assert [e.line for e in scan.entries] == [1, 8]
+    reasons = {e.line: e.reason for e in scan.errors}
+    assert sorted(reasons) == [2, 3, 4, 5, 6, 7, 9, 10, 11, 12]
+    assert "invalid JSON" in reasons[2]
+    assert "neither 'conversations'" in reasons[3]
+    assert "no assistant turn" in reasons[4]
+    assert "unknown role 'wizard'" in reasons[5]
+    assert "needs 'from' and 'value'" in reasons[6]
+    assert "duplicate id" in reasons[7] and "line 1" in reasons[7]
+    assert "duplicate id 'a'" in reasons[9] and "line 8" in reasons[9]
+    assert "only text content parts" in reasons[10]
+    assert "JSON object" in reasons[11]
+    assert "'id' must be" in reasons[12]
+
+
+def test_hashes_follow_content(tmp_path: Path, tiny_model_dir: Path) -> None:
+    a = scan_dataset(_write(tmp_path / "a.jsonl", [{"messages": MSGS}]))
+    b = scan_dataset(_write(tmp_path / "b.jsonl", [{"messages": MSGS}]))
+    c = scan_dataset(_write(tmp_path / "c.jsonl", [{"messages": MSGS}, {"messages": MSGS[:3]}]))
+    assert a.sha256 == b.sha256 != c.sha256
+    h = tokenizer_hash(tiny_model_dir)
+    assert len(h) == 64 and h == tokenizer_hash(tiny_model_dir)
+    assert tokenizer_hash(tmp_path) != h

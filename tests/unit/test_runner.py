@@ -1,0 +1,279 @@
+"""`hsx extract` end to end on the tiny model: results, resume, refusals, failures, options."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hsx_run_helpers import (
+    LAYERS,
+    SharedBackend,
+    assert_complete,
+    load_shards,
+    make_cfg,
+    one_thread,  # noqa: F401  (autouse)
+    run,
+)
+
+from extraction.backends.hf import HFBackend
+from extraction.cli import main
+from extraction.config import ConfigError, build_config
+from extraction.dataset import scan_dataset
+from extraction.runner import EXIT_FAILED, EXIT_OK, EXIT_PAUSED, EXIT_USAGE, assigned_to
+from extraction.shards import format as fmt
+from extraction.status import ERRORS_NAME, read_status
+from extraction.tiny import write_tiny_dataset
+
+N = 20
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_dataset(tmp_path_factory.mktemp("ds") / "d.jsonl", N, seed=7)
+
+
+@pytest.fixture(scope="module")
+def ids(dataset: Path) -> set[str]:
+    return {e.sample_id for e in scan_dataset(dataset).entries}
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir: Path) -> SharedBackend:
+    return SharedBackend(HFBackend(tiny_model_dir, [1, 3, 4], dtype="fp32"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path, dataset: Path, backend: SharedBackend, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "out"
+    assert run(make_cfg(tiny_model_dir, dataset, out), backend) == EXIT_OK
+    return out
+
+
+def test_run_writes_every_sample_matching_the_model(
+    reference: Path, ids: set[str], backend, tiny_model_dir
+) -> None:
+    assert_complete(reference, ids)
+    manifest = json.loads((reference / fmt.MANIFEST_NAME).read_text())
+    assert manifest["layer_ids"] == [1, 3, 4] and manifest["layer_convention"] == "sglang"
+    assert manifest["dtype"] == "float32" and manifest["hidden_size"] == 64 and manifest["final_normed"]
+    assert manifest["dataset_hash"] and manifest["tokenizer_hash"] and manifest["chat_template_hash"]
+    assert manifest["extra"]["max_length"] == 40
+    status = read_status(str(reference))
+    assert status["state"] == "done" and status["done"] == status["total"] == N == status["written"]
+    for key in (
+        "skipped_existing",
+        "errors",
+        "samples_per_s",
+        "tokens_per_s",
+        "eta_s",
+        "bytes_written",
+        "free_bytes",
+        "pid",
+        "host",
+        "started_at",
+        "updated_at",
+        "history",
+    ):
+        assert key in status, key
+    # A shard holds what the backend computes for that sample (compared within float tolerance:
+    # the run batched it, this call does not).
+    shards = load_shards(reference)
+    sid, t = next(iter(sorted(shards.items())))
+    from extraction.backends.base import Sample
+
+    (r,) = backend.inner.extract([Sample(sid, t["input_ids"], t["loss_mask"])])
+    assert torch.allclose(r.aux_hidden_state, t["aux_hidden_state"][0], atol=1e-5)
+    assert t["hidden_state"].shape == (1, len(t["input_ids"]), 64)
+    assert any(int(x["loss_mask"].sum()) > 0 for x in shards.values())
+
+
+def test_resume_skips_done_and_redoes_a_damaged_shard(
+    tiny_model_dir, dataset, backend, reference, tmp_path, ids
+) -> None:
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    index = fmt.load_index(str(out))
+    victim = sorted(index)[3]
+    path = out / index[victim].path
+    path.write_bytes(path.read_bytes()[:100])  # truncated by a crash, still indexed
+    logs: list[str] = []
+    assert run(make_cfg(tiny_model_dir, dataset, out), backend, logs) == EXIT_OK
+    status = read_status(str(out))
+    assert status["skipped_existing"] == N - 1 and status["written"] == 1
+    assert any("1 indexed shard(s) failed quick" in m for m in logs)
+    assert_complete(out, ids)
+    assert torch.equal(
+        load_shards(out)[victim]["aux_hidden_state"], load_shards(reference)[victim]["aux_hidden_state"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"layers": "1,2,4"}, "layer_ids"),
+        ({"dtype": "bf16"}, "dtype"),
+        ({"max_length": 41}, "max_length"),
+        ({"dataset": "other"}, "dataset_hash"),
+    ],
+)
+def test_resume_into_other_run_refused(
+    tiny_model_dir, dataset, backend, reference, tmp_path, change, says, capsys
+) -> None:
+    before = sorted(p.name for p in reference.rglob("*"))
+    index_before = (reference / fmt.INDEX_NAME).read_bytes()
+    kw = dict(change)
+    if kw.get("dataset") == "other":
+        kw["dataset"] = str(write_tiny_dataset(tmp_path / "d.jsonl", N, seed=8))
+        kw["dataset"] = str(Path(kw["dataset"]).rename(tmp_path / dataset.name))
+    logs: list[str] = []
+    assert (
+        run(make_cfg(tiny_model_dir, kw.pop("dataset", dataset), reference, **kw), backend, logs)
+        == EXIT_USAGE
+    )
+    assert any("refusing" in m or "different run" in m for m in logs), logs
+    assert any(says in m for m in logs), logs
+    assert sorted(p.name for p in reference.rglob("*")) == before
+    assert (reference / fmt.INDEX_NAME).read_bytes() == index_before
+
+
+def test_malformed_rows_logged_run_goes_on(tiny_model_dir, backend, tmp_path) -> None:
+    ds = tmp_path / "d.jsonl"
+    good = write_tiny_dataset(tmp_path / "g.jsonl", 5, seed=1).read_text().splitlines()
+    ds.write_text("\n".join([good[0], "{oops", good[1], '{"messages": []}', *good[2:]]) + "\n")
+    out = tmp_path / "out"
+    assert run(make_cfg(tiny_model_dir, ds, out), backend) == EXIT_OK
+    errors = [json.loads(x) for x in (out / ERRORS_NAME).read_text().splitlines()]
+    assert [(e["kind"], e["line"]) for e in errors] == [("row", 2), ("row", 4)]
+    assert "invalid JSON" in errors[0]["reason"] and "non-empty list" in errors[1]["reason"]
+    assert len(fmt.load_index(str(out))) == 5
+    assert read_status(str(out))["row_errors"] == 2
+
+
+def test_retries_then_success(tiny_model_dir, dataset, backend, tmp_path, ids) -> None:
+    calls = {"n": 0}
+
+    def flaky(_samples):
+        calls["n"] += 1
+        return calls["n"] in (2, 3)  # the second batch fails twice, then works
+
+    backend.fail = flaky
+    try:
+        assert run(make_cfg(tiny_model_dir, dataset, tmp_path / "out", retries=2), backend) == EXIT_OK
+    finally:
+        backend.fail = None
+    assert_complete(tmp_path / "out", ids)
+    assert not (tmp_path / "out" / ERRORS_NAME).exists()
+
+
+def test_poison_sample_logged_others_written(tiny_model_dir, dataset, backend, tmp_path, ids) -> None:
+    poison = sorted(ids)[0]
+    backend.fail = lambda samples: any(s.sample_id == poison for s in samples)
+    try:
+        code = run(make_cfg(tiny_model_dir, dataset, tmp_path / "out", retries=1), backend)
+    finally:
+        backend.fail = None
+    assert code == EXIT_FAILED  # finished, but one sample is missing
+    assert set(fmt.load_index(str(tmp_path / "out"))) == ids - {poison}
+    (err,) = [json.loads(x) for x in (tmp_path / "out" / ERRORS_NAME).read_text().splitlines()]
+    assert err["sample_id"] == poison and err["attempts"] == 2 and "injected" in err["reason"]
+    status = read_status(str(tmp_path / "out"))
+    assert status["state"] == "failed" and "1 sample(s) failed" in status["message"]
+    # The next run retries just that one.
+    assert run(make_cfg(tiny_model_dir, dataset, tmp_path / "out"), backend) == EXIT_OK
+    assert_complete(tmp_path / "out", ids)
+
+
+def test_consecutive_errors_abort(tiny_model_dir, dataset, backend, tmp_path) -> None:
+    backend.fail = lambda _s: True
+    logs: list[str] = []
+    try:
+        code = run(
+            make_cfg(tiny_model_dir, dataset, tmp_path / "out", retries=0, max_consecutive_errors=3),
+            backend,
+            logs,
+        )
+    finally:
+        backend.fail = None
+    assert code == EXIT_FAILED
+    status = read_status(str(tmp_path / "out"))
+    assert status["state"] == "failed" and "3 samples failed in a row" in status["message"]
+    assert status["errors"] == 3 and fmt.load_index(str(tmp_path / "out")) == {}
+
+
+def test_disk_guard_pauses_before_writing(tiny_model_dir, dataset, backend, tmp_path) -> None:
+    logs: list[str] = []
+    code = run(make_cfg(tiny_model_dir, dataset, tmp_path / "out", reserve_bytes="1P"), backend, logs)
+    assert code == EXIT_PAUSED
+    status = read_status(str(tmp_path / "out"))
+    assert status["state"] == "paused: disk low"
+    assert str(status["free_bytes"]) in status["message"] and str(1024**5) in status["message"]
+    assert fmt.load_index(str(tmp_path / "out")) == {} and fmt.scan_shards(str(tmp_path / "out")) == []
+
+
+def test_shards_split_dataset_without_overlap(tiny_model_dir, dataset, backend, tmp_path, ids) -> None:
+    got = []
+    for i in range(3):
+        out = tmp_path / f"node{i}"
+        assert run(make_cfg(tiny_model_dir, dataset, out, shard_index=i, num_shards=3), backend) == EXIT_OK
+        got.append(set(fmt.load_index(str(out))))
+        assert got[-1] == {s for s in ids if assigned_to(s, i, 3)}
+    assert set().union(*got) == ids and sum(map(len, got)) == len(ids)
+    assert all(got)
+
+
+def test_limit(tiny_model_dir, dataset, backend, tmp_path) -> None:
+    assert run(make_cfg(tiny_model_dir, dataset, tmp_path / "out", limit=5), backend) == EXIT_OK
+    first5 = [e.sample_id for e in scan_dataset(dataset).entries[:5]]
+    assert sorted(fmt.load_index(str(tmp_path / "out"))) == sorted(first5)
+    assert read_status(str(tmp_path / "out"))["total"] == 5
+
+
+def test_config_file_and_cli_precedence(tmp_path, tiny_model_dir, dataset) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(tiny_model_dir),
+                "dataset": str(dataset),
+                "output": "o",
+                "batch-size": 3,
+                "layers": [1, 3, 4],
+                "reserve_bytes": "2G",
+                "dtype": "fp16",
+            }
+        )
+    )
+    cfg = build_config({"config": str(conf), "batch_size": 5})
+    assert (cfg.batch_size, cfg.layers, cfg.reserve_bytes, cfg.dtype) == (5, "1,3,4", 2 * 1024**3, "fp16")
+    conf.write_text("model: m\nbogus: 1\n")
+    with pytest.raises(ConfigError, match="unknown option 'bogus'"):
+        build_config({"config": str(conf)})
+    with pytest.raises(ConfigError, match="shard-index"):
+        build_config({"model": "m", "dataset": "d", "output": "o", "shard_index": 3, "num_shards": 2})
+
+
+def test_cli_end_to_end(tmp_path, tiny_model_dir, capsys) -> None:
+    ds = write_tiny_dataset(tmp_path / "d.jsonl", 4, seed=2)
+    conf = tmp_path / "c.yaml"
+    conf.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(tiny_model_dir),
+                "dataset": str(ds),
+                "layers": LAYERS,
+                "dtype": "fp32",
+                "max_length": 24,
+                "progress": "off",
+            }
+        )
+    )
+    out = tmp_path / "out"
+    assert main(["extract", "--config", str(conf), "--output", str(out)]) == 0
+    assert len(fmt.load_index(str(out))) == 4
+    assert main(["extract", "--config", str(conf), "--output", str(out), "--layers", "auto"]) == EXIT_USAGE
+    assert "explicit ids" in capsys.readouterr().err

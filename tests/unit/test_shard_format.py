@@ -1,0 +1,174 @@
+"""The stdlib-only format module: naming, index log, zip parsing, the restricted pickle reader."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from shard_helpers import expect, read_record, replace_record, save, shard_dict
+
+from extraction.shards import format as fmt
+
+
+def test_format_module_imports_only_the_standard_library():
+    src = Path(fmt.__file__).read_text()
+    imports = {
+        line.split()[1].split(".")[0]
+        for line in src.splitlines()
+        if line.startswith(("import ", "from ")) and not line.startswith("from __future__")
+    }
+    assert imports <= {
+        "errno",
+        "hashlib",
+        "json",
+        "os",
+        "re",
+        "stat",
+        "struct",
+        "time",
+        "zlib",
+        "dataclasses",
+        "typing",
+        "collections",
+    }
+
+
+def test_module_utils_symlink_points_at_the_one_source():
+    link = Path(__file__).resolve().parents[2] / "module_utils" / "hsx_shard_format.py"
+    assert link.is_symlink() and not os.path.isabs(os.readlink(link))
+    assert link.resolve() == Path(fmt.__file__).resolve()
+
+
+@pytest.mark.parametrize(
+    "sample_id",
+    ["conv-001", "a.b_c", "with space", "../../etc/passwd", "ünïcode", ".hidden", "x" * 300, "a/b", "a~b"],
+)
+def test_shard_relpath_is_safe_and_stable(sample_id):
+    rel = fmt.shard_relpath(sample_id)
+    assert rel == fmt.shard_relpath(sample_id)
+    parts = rel.split("/")
+    assert parts[0] == fmt.SHARDS_DIR and len(parts) == 3 and len(parts[1]) == fmt.BUCKET_HEX_CHARS
+    assert parts[2].endswith(".pt") and not parts[2].startswith(".") and ".." not in parts
+    assert len(parts[2]) < 200 and fmt._INDEX_PATH.match(rel)
+
+
+def test_safe_names_never_collide():
+    ids = ["a b", "a_b", "a/b", "a~b", "a_b~0", "A_B"]
+    names = [fmt.safe_name(i) for i in ids]
+    assert len(set(names)) == len(ids)
+    assert fmt.safe_name("a_b") == "a_b"  # safe ids keep their name
+
+
+def test_temp_names_are_never_shards():
+    t = fmt.temp_name("x.pt")
+    assert fmt.is_temp_name(t) and not fmt.is_shard_name(t) and not t.endswith(".pt")
+
+
+def test_index_tolerates_torn_tail_and_damaged_lines(tmp_path):
+    e1 = fmt.IndexEntry("a", "shards/00/a.pt", 10, "crc32:00000001", 3)
+    e2 = fmt.IndexEntry("b", "shards/00/b.pt", 11, "crc32:00000002", 4)
+    fmt.append_index(str(tmp_path), [fmt.index_record(e1), fmt.index_record(e2)])
+    idx = tmp_path / fmt.INDEX_NAME
+    lines = idx.read_bytes().splitlines(keepends=True)
+    damaged = lines[0].replace(b'"a"', b'"z"')  # CRC no longer matches
+    idx.write_bytes(damaged + lines[1] + lines[1][:20])  # + a torn last line
+    state = fmt.read_index(str(tmp_path))
+    assert set(state.entries) == {"b"} and state.bad_lines == 1 and state.torn_tail
+    assert fmt.load_index(str(tmp_path))["b"] == e2
+
+
+def test_index_later_lines_win_and_tombstones_remove(tmp_path):
+    e = fmt.IndexEntry("a", "shards/00/a.pt", 10, "crc32:00000001", 3)
+    fmt.append_index(str(tmp_path), [fmt.index_record(e), fmt.tombstone_record("a", "bad")])
+    assert fmt.load_index(str(tmp_path)) == {}
+    fmt.append_index(str(tmp_path), [fmt.index_record(e)])
+    assert fmt.load_index(str(tmp_path)) == {"a": e}
+    assert fmt.load_index(str(tmp_path / "nowhere")) == {}
+
+
+def test_crc32_combine_matches_zlib():
+    for a_len, b_len in [(0, 0), (1, 0), (0, 7), (13, 1), (1000, 65536 + 3)]:
+        a, b = os.urandom(a_len), os.urandom(b_len)
+        assert fmt.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_restricted_reader_matches_torch(tmp_path):
+    d = shard_dict(length=7)
+    path = save(tmp_path / "s.pt", d)
+    meta = fmt.read_tensor_pickle(read_record(path, "data.pkl"))
+    for key, t in d.items():
+        m = meta[key]
+        assert m.shape == tuple(t.shape) and m.stride == tuple(t.stride()) and m.offset == 0
+        assert m.storage.dtype == str(t.dtype).removeprefix("torch.") and m.storage.numel == t.numel()
+
+
+def test_restricted_reader_reads_protocol_4_stack_globals(tmp_path):
+    # torch.save(pickle_protocol=4) uses SHORT_BINUNICODE, MEMOIZE, FRAME, STACK_GLOBAL.
+    path = tmp_path / "p4.pt"
+    torch.save(shard_dict(), path, pickle_protocol=4)
+    meta = fmt.read_tensor_pickle(read_record(path, "data.pkl"))
+    assert meta["hidden_state"].shape == (1, 5, 8)
+
+
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_code_payload_is_refused_without_running_it(tmp_path, protocol):
+    live = tmp_path / "live"
+    pickle.loads(pickle.dumps(_Payload(live), protocol=protocol))
+    assert live.exists(), "the payload must be a real one"
+    marker = tmp_path / "pwned"
+    with pytest.raises(fmt.ShardBad, match="refused, nothing executed"):
+        fmt.read_tensor_pickle(pickle.dumps({"input_ids": _Payload(marker)}, protocol=protocol))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"", "truncated"),
+        (b"\x80\x02}q\x00", "truncated"),
+        (b"\x80\x02]q\x00.", "opcode 0x5d"),  # EMPTY_LIST: not something torch writes for a shard
+        (b"\x80\x02cbuiltins\neval\n.", "builtins.eval"),
+        (b"\x80\x02h\x05.", "unknown memo"),
+        (b"\x80\x02}q\x00X\x01\x00\x00\x00aK\x01s.", "not a dict of tensors"),
+        (b"\x80\x02}.junk", "after STOP"),
+        (b"\x80\x02X\xff\xff\xff\x7fab", "truncated"),
+    ],
+)
+def test_restricted_reader_rejects_malformed_pickles(data, reason):
+    with pytest.raises(fmt.ShardBad, match=reason):
+        fmt.read_tensor_pickle(data)
+
+
+def test_storage_on_a_gpu_is_reported(tmp_path):
+    path = save(tmp_path / "s.pt", shard_dict())
+    pkl = read_record(path, "data.pkl").replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+    replace_record(path, "data.pkl", pkl)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(fmt.ShardBad, match="cuda:0"):
+            fmt.inspect_shard(fd, expect())
+    finally:
+        os.close(fd)
+
+
+def test_zip64_and_plain_end_records_are_both_read(tmp_path):
+    # torch writes zip64 end records; Python's zipfile writes plain ones for small archives.
+    path = save(tmp_path / "s.pt", shard_dict())
+    replace_record(path, "data.pkl", read_record(path, "data.pkl"))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert fmt.inspect_shard(fd, expect()).num_tokens == 5
+    finally:
+        os.close(fd)

@@ -1,0 +1,139 @@
+"""library/shard_verify.py driven through AnsibleModule with patch_module_args."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ansible.module_utils.testing import patch_module_args
+from shard_helpers import flip, make_run, tree
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_module():
+    """Load the module as Ansible would: hsx_shard_format from module_utils (the symlinked file)."""
+    name = "ansible.module_utils.hsx_shard_format"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "module_utils" / "hsx_shard_format.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    spec = importlib.util.spec_from_file_location("shard_verify_module", ROOT / "library" / "shard_verify.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+shard_verify = _load_module()
+
+
+def run_module(capsys, **args) -> dict:
+    with patch_module_args(args), pytest.raises(SystemExit):
+        shard_verify.main()
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture()
+def mixed(tmp_path):
+    _, entries = make_run(tmp_path, n=5)
+    (tmp_path / entries[0].path).write_bytes(b"junk")
+    flip(tmp_path / entries[1].path, 300)
+    (tmp_path / entries[2].path).unlink()
+    return tmp_path, entries
+
+
+def test_report_only_changes_nothing(capsys, mixed):
+    root, entries = mixed
+    before = tree(root)
+    r = run_module(capsys, path=str(root), level="full", workers=1)
+    assert not r.get("failed") and r["changed"] is False and tree(root) == before
+    assert (r["checked"], r["ok"], r["bad_count"], r["missing"]) == (4, 2, 2, ["s002"])
+
+
+def test_check_mode_predicts_and_moves_nothing_then_real_then_idempotent(capsys, mixed):
+    root, entries = mixed
+    before = tree(root)
+    args = dict(path=str(root), level="full", quarantine=True, workers=1)
+    r = run_module(capsys, **args, _ansible_check_mode=True, _ansible_diff=True)
+    assert r["changed"] is True and tree(root) == before
+    predicted = sorted(r["quarantined"])
+    assert len(predicted) == 2 and entries[0].path.split("/", 1)[1] in r["diff"]["after"]
+
+    r = run_module(capsys, **args)
+    assert r["changed"] is True and sorted(r["quarantined"]) == predicted
+    assert all((root / q).exists() for q in predicted)
+
+    r = run_module(capsys, **args)
+    assert r["changed"] is False and r["bad_count"] == 0 and r["missing_count"] == 0 and r["ok"] == 2
+
+
+def test_list_caps_keep_full_counts(capsys, tmp_path):
+    _, entries = make_run(tmp_path, n=6)
+    for e in entries:
+        (tmp_path / e.path).write_bytes(b"x")
+    r = run_module(capsys, path=str(tmp_path), level="quick", max_listed=2, workers=2)
+    assert r["bad_count"] == 6 and len(r["bad"]) == 2
+
+
+def test_not_a_run_fails_with_the_path(capsys, tmp_path):
+    r = run_module(capsys, path=str(tmp_path / "nope"))
+    assert r["failed"] and "nope" in r["msg"]
+
+
+def test_deep_without_torch_is_a_clear_missing_lib(capsys, tmp_path, monkeypatch):
+    make_run(tmp_path, n=1)
+    monkeypatch.setattr(shard_verify, "deep_check", None)
+    r = run_module(capsys, path=str(tmp_path), level="deep")
+    assert r["failed"] and "hsx-extraction with torch" in r["msg"]
+
+
+def test_deep_with_torch(capsys, tmp_path):
+    make_run(tmp_path, n=2)
+    r = run_module(capsys, path=str(tmp_path), level="deep", workers=1)
+    assert r["ok"] == 2 and r["level"] == "deep"
+
+
+def test_module_runs_on_a_host_without_torch_or_the_package(tmp_path):
+    """quick/full through the module with only the stdlib + ansible importable (no torch, no extraction)."""
+    make_run(tmp_path, n=2)
+    code = f"""
+import sys, builtins
+real = builtins.__import__
+def guard(name, *a, **k):
+    if name.split('.')[0] in ('torch', 'extraction', 'numpy'):
+        raise ImportError('not on this host: ' + name)
+    return real(name, *a, **k)
+builtins.__import__ = guard
+import importlib.util
+spec = importlib.util.spec_from_file_location('ansible.module_utils.hsx_shard_format', {str(ROOT / "module_utils" / "hsx_shard_format.py")!r})
+m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; spec.loader.exec_module(m)
+spec = importlib.util.spec_from_file_location('sv', {str(ROOT / "library" / "shard_verify.py")!r})
+sv = importlib.util.module_from_spec(spec); spec.loader.exec_module(sv)
+assert sv.deep_check is None and 'torch' not in sys.modules
+from ansible.module_utils.testing import patch_module_args
+with patch_module_args({{'path': {str(tmp_path)!r}, 'level': 'full', 'workers': 2}}):
+    sv.main()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = json.loads(out.stdout)
+    assert r["ok"] == 2 and r["bad_count"] == 0, out.stderr
+
+
+def test_ansible_doc_renders():
+    ansible_doc = Path(sys.executable).with_name("ansible-doc")
+    if not ansible_doc.exists():
+        pytest.skip("ansible-doc not installed next to this Python")
+    out = subprocess.run(
+        [str(ansible_doc), "-M", str(ROOT / "library"), "--json", "shard_verify"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)["shard_verify"]
+    assert {"path", "level", "quarantine", "workers"} <= set(doc["doc"]["options"])
+    assert doc["examples"] and "quarantined" in doc["return"]

@@ -1,0 +1,200 @@
+"""The atomic writer: real torch.save shards, run.json, index, disk-full and crash leftovers."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+
+import pytest
+import torch
+from shard_helpers import H, K, make_run, manifest, tensors
+
+from extraction.shards import (
+    DiskFullError,
+    ManifestError,
+    ManifestMismatchError,
+    ShardDataError,
+    ShardWriter,
+    load_index,
+    manifest_mismatches,
+    read_manifest,
+    remove_orphan_temps,
+    shard_relpath,
+    write_manifest,
+)
+from extraction.shards import format as fmt
+from extraction.shards import writer as writer_mod
+
+
+def test_published_shard_is_the_specforge_dict(tmp_path):
+    w, (entry,) = make_run(tmp_path, n=1, length=6)
+    path = tmp_path / entry.path
+    assert entry.path == shard_relpath("s000") and entry.num_tokens == 6
+    assert entry.size == path.stat().st_size
+    assert entry.checksum == fmt.checksum_string(__import__("zlib").crc32(path.read_bytes()))
+    data = torch.load(path, mmap=True, weights_only=True)
+    assert list(data) == list(fmt.SHARD_KEYS)
+    assert data["input_ids"].dtype == torch.int64 and data["input_ids"].shape == (6,)
+    assert data["loss_mask"].shape == (6,)
+    assert data["hidden_state"].shape == (1, 6, H) and data["hidden_state"].dtype == torch.bfloat16
+    assert data["aux_hidden_state"].shape == (1, 6, K * H)
+    assert load_index(tmp_path) == {"s000": entry}
+
+
+def test_views_of_a_batch_tensor_save_only_their_bytes(tmp_path):
+    w = ShardWriter(tmp_path, manifest(dtype="float32"))
+    batch = torch.randn(16, 5, H)
+    aux = torch.randn(16, 5, K * H)
+    t = tensors(5)
+    entry = w.publish("v", t["input_ids"], t["loss_mask"], batch[3], aux[7])
+    tensor_bytes = 5 * 8 * 2 + 5 * H * 4 + 5 * K * H * 4
+    assert entry.size <= 1.01 * tensor_bytes + 4096
+    data = torch.load(tmp_path / entry.path, weights_only=True)
+    assert torch.equal(data["hidden_state"][0], batch[3])
+
+
+def test_shapes_that_do_not_fit_the_run_are_refused_before_writing(tmp_path):
+    w = ShardWriter(tmp_path, manifest())
+    t = tensors(5)
+    with pytest.raises(ShardDataError, match="do not match"):
+        w.publish("a", t["input_ids"], t["loss_mask"], torch.randn(6, H), t["aux_hidden_state"])
+    with pytest.raises(ShardDataError, match="do not match"):
+        w.publish("a", t["input_ids"], t["loss_mask"], t["hidden_state"], torch.randn(5, 2 * H))
+    with pytest.raises(ShardDataError, match="NaN"):
+        w.publish(
+            "a", t["input_ids"], t["loss_mask"], torch.full((5, H), float("nan")), t["aux_hidden_state"]
+        )
+    assert list((tmp_path / "shards").rglob("*")) == [] and load_index(tmp_path) == {}
+
+
+def test_manifest_round_trip_and_mismatch_is_refused(tmp_path):
+    m = manifest()
+    write_manifest(tmp_path, m)
+    assert read_manifest(tmp_path) == m
+    other = manifest(dtype="float16", layer_ids=[2, 3, 4], created_at="later", extra={"host": "x"})
+    lines = manifest_mismatches(m, other)
+    assert len(lines) == 2 and lines[0].startswith("dtype:") and "layer_ids" in lines[1]
+    with pytest.raises(ManifestMismatchError) as exc:
+        ShardWriter(tmp_path, other)
+    assert exc.value.mismatches == lines
+    ShardWriter(tmp_path, manifest(created_at="later", extra={"host": "y"}))  # same run
+
+
+def test_manifest_unknown_keys_go_to_extra_and_bad_files_name_the_path(tmp_path):
+    write_manifest(tmp_path, manifest())
+    data = json.loads((tmp_path / "run.json").read_text())
+    data["future_field"] = 1
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    assert read_manifest(tmp_path).extra == {"future_field": 1}
+    (tmp_path / "run.json").write_text("{not json")
+    with pytest.raises(ManifestError, match="run.json"):
+        read_manifest(tmp_path)
+    with pytest.raises(ManifestError, match="not an extraction run"):
+        read_manifest(tmp_path / "nope")
+
+
+class _FullDisk:
+    """A real ENOSPC from the kernel: /dev/full accepts the open and fails the writes."""
+
+    def __init__(self, final_dir):
+        self.final_dir = final_dir
+
+    def __call__(self, path):
+        return open("/dev/full", "wb")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_disk_full_leaves_no_final_file_and_no_temp(tmp_path, monkeypatch):
+    w, _ = make_run(tmp_path, n=1)
+    monkeypatch.setattr(w, "_open_temp", _FullDisk(tmp_path))
+    with pytest.raises(DiskFullError) as exc:
+        w.publish("full", **tensors(5))
+    assert exc.value.errno == errno.ENOSPC
+    assert not (tmp_path / shard_relpath("full")).exists()
+    assert fmt.find_orphan_temps(str(tmp_path)) == [] and set(load_index(tmp_path)) == {"s000"}
+
+
+def test_disk_full_mid_write_removes_the_temp(tmp_path, monkeypatch):
+    w = ShardWriter(tmp_path, manifest())
+    real_open = w._open_temp
+    temps = []
+
+    class Failing:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, b):
+            self.n += len(b)
+            if self.n > 1000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+    def opener(path):
+        temps.append(path)
+        return Failing(real_open(path))
+
+    monkeypatch.setattr(w, "_open_temp", opener)
+    with pytest.raises(DiskFullError):
+        w.publish("x", **tensors(50))
+    assert temps and not os.path.exists(temps[0])
+    assert not (tmp_path / shard_relpath("x")).exists()
+
+
+def test_disk_full_while_indexing_takes_the_shard_back(tmp_path, monkeypatch):
+    w = ShardWriter(tmp_path, manifest())
+
+    def no_space(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer_mod.fmt, "append_index", no_space)
+    with pytest.raises(DiskFullError):
+        w.publish("x", **tensors(5))
+    assert not (tmp_path / shard_relpath("x")).exists()
+
+
+def test_orphan_temps_are_removed_at_startup(tmp_path):
+    w, entries = make_run(tmp_path, n=2)
+    bucket = (tmp_path / entries[0].path).parent
+    (bucket / fmt.temp_name("s000.pt")).write_bytes(b"partial")
+    (tmp_path / "shards" / ".loose.tmp").write_bytes(b"x")
+    (tmp_path / fmt.temp_name("run.json")).write_bytes(b"{")
+    assert remove_orphan_temps(tmp_path) == 3
+    assert w.remove_orphan_temps() == 0
+    assert all((tmp_path / e.path).exists() for e in entries)
+
+
+def test_publish_from_threads(tmp_path):
+    w = ShardWriter(tmp_path, manifest(), fsync_index=False)
+    errors = []
+
+    def work(start):
+        try:
+            for i in range(start, start + 10):
+                w.publish(f"t{i}", **tensors(4, seed=i))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k * 10,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(load_index(tmp_path)) == 30
+    assert fmt.verify_output(str(tmp_path), "full").exit_code == 0
+
+
+def test_republish_replaces_atomically(tmp_path):
+    w, (e1,) = make_run(tmp_path, n=1)
+    e2 = w.publish("s000", **tensors(7, seed=9))
+    assert e2.path == e1.path and e2.num_tokens == 7 and load_index(tmp_path)["s000"] == e2
