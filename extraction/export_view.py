@@ -1,0 +1,612 @@
+"""A trainer-ready view of finished extractions: links named the way SpecForge names its files.
+
+SpecForge's offline trainer (`scripts/train_eagle3.py --train-hidden-states-path DIR`) walks DIR
+recursively and keeps only names ending in `.ckpt`/`.ckpt.gz` (`list_local_files` in
+sgl-project/SpecForge `specforge/data/preprocessing.py`); our shards end in `.pt`. Its own
+writer (`scripts/prepare_hidden_states.py`, `_get_file_path`) names sample `idx`
+`rows_{g}-{g + file_group_size}/data_{idx}.ckpt` with `g = idx // file_group_size *
+file_group_size` and `--file-group-size` 2000 by default. A view is that tree of links, pointing
+at verified shards (tensors are never copied), plus::
+
+    DEST/export.json     what the view is: layout, link mode, group size, the run it belongs to
+    DEST/mapping.jsonl   append-only: data_i -> sample id, source output, shard path
+
+Numbering is stable: a number, once given, always means the same sample (mapping.jsonl is only
+appended to). A sample that stops being eligible (quarantined, damaged) loses its link but keeps
+its number; if it comes back it gets the same number again.
+
+Crash safety: the mapping line is appended and fsynced before its link is made, links are
+made at a temp name and renamed into place, and every run reconciles DEST with the mapping
+(missing links made, wrong ones replaced, links of no longer eligible samples and leftovers
+removed). A crash at any point leaves a DEST that the next run completes.
+
+Why plain JSON lines (no per-line CRC as in index.jsonl): the mapping is for people and tools
+(`jq 'select(.i == 42)' mapping.jsonl`); the only damage our protocol can cause is a torn last
+line, which lacks its newline or fails to parse, and is dropped (and cut off) on the next run.
+
+Symlinks are absolute: DEST usually lives on the training side (another directory tree, often
+another filesystem), so a relative link would break whenever either tree is moved or mounted
+elsewhere; an absolute one breaks only when OUTPUT moves, and a re-run with the new OUTPUT path
+re-points every link without renumbering.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from extraction.shards import format as fmt
+from extraction.shards.format import BadShard, ManifestError, VerifyReport
+from extraction.shards.manifest import RunManifest, manifest_mismatches
+
+VIEW_FORMAT = "hsx-export-view"
+VIEW_VERSION = 1
+META_NAME = "export.json"
+MAPPING_NAME = "mapping.jsonl"
+LOCK_NAME = ".hsx-export.lock"
+LAYOUTS = ("specforge",)
+LINK_MODES = ("symlink", "hardlink")
+DEFAULT_GROUP_SIZE = 2000  # SpecForge prepare_hidden_states.py --file-group-size default
+LINK_SUFFIX = ".ckpt"
+
+_GROUP_DIR = re.compile(r"^rows_(\d+)-(\d+)$")
+_LINK_NAME = re.compile(r"^data_(\d+)\.ckpt$")
+
+
+class ExportError(Exception):
+    """A usage or I/O problem: nothing was changed in DEST (exit 2)."""
+
+
+def group_dir(i: int, group_size: int) -> str:
+    g = (i // group_size) * group_size
+    return f"rows_{g}-{g + group_size}"
+
+
+def link_relpath(i: int, group_size: int) -> str:
+    """`rows_{g}-{g+size}/data_{i}.ckpt`, as SpecForge's own writer names sample i."""
+    return f"{group_dir(i, group_size)}/data_{i}{LINK_SUFFIX}"
+
+
+@dataclass
+class MappingRecord:
+    i: int
+    sample_id: str
+    output: str  # realpath of the source output directory
+    shard: str  # shard path relative to output
+
+    def to_json(self) -> dict[str, Any]:
+        return {"i": self.i, "id": self.sample_id, "output": self.output, "shard": self.shard}
+
+    @property
+    def target(self) -> str:
+        return os.path.join(self.output, self.shard)
+
+
+@dataclass
+class OutputReport:
+    output: str
+    checked: int = 0
+    ok: int = 0
+    bad: list[BadShard] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unindexed: int = 0
+    index_bad_lines: int = 0
+
+
+@dataclass
+class ExportReport:
+    dest: str
+    layout: str
+    link: str
+    level: str
+    group_size: int
+    outputs: list[OutputReport] = field(default_factory=list)
+    added: int = 0  # samples that got a new number this run
+    repointed: int = 0  # numbered samples whose source output changed (moved output, bad copy)
+    relinked: int = 0  # links made or replaced for samples that already had a number
+    unlinked: list[dict[str, Any]] = field(default_factory=list)  # {i, id, reason}
+    linked: int = 0  # links in place when the run ended
+    numbered: int = 0  # numbers given so far (mapping size)
+    not_rechecked: int = 0  # numbered samples whose output was not given this run (left as they were)
+    duplicates: list[dict[str, str]] = field(default_factory=list)  # {id, output}: copy not used
+    leftovers_removed: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)  # entries in DEST we do not own, left alone
+    mapping_torn_tail: bool = False
+    seconds: float = 0.0
+
+    @property
+    def left_out_bad(self) -> int:
+        return sum(len(o.bad) + len(o.missing) for o in self.outputs)
+
+    @property
+    def exit_code(self) -> int:
+        """0: every eligible shard is linked; 1: some shards were left out as bad or missing."""
+        return 1 if self.left_out_bad else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["left_out_bad"] = self.left_out_bad
+        d["exit_code"] = self.exit_code
+        d["seconds"] = round(self.seconds, 3)
+        return d
+
+
+# --- DEST metadata and mapping ----------------------------------------------------------------
+def _run_identity(manifest: dict[str, Any], source: str) -> RunManifest:
+    return RunManifest.from_dict({k: v for k, v in manifest.items() if k != "extra"}, source)
+
+
+def read_meta(dest: str) -> dict[str, Any] | None:
+    """export.json, or None when DEST has none; ExportError when it is not ours or unreadable."""
+    path = os.path.join(dest, META_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path}: unreadable export view metadata: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != VIEW_FORMAT:
+        raise ExportError(f"{path}: not an hsx export view (format {meta.get('format')!r})")
+    if not isinstance(meta.get("version"), int) or meta["version"] > VIEW_VERSION:
+        raise ExportError(f"{path}: export view version {meta.get('version')!r} is newer than this code")
+    return meta
+
+
+def read_mapping(dest: str) -> tuple[dict[int, MappingRecord], bool]:
+    """number -> record (later lines win) and whether the last line was torn.
+
+    Raises ExportError when a complete line is damaged or a number changes its sample: that
+    mapping cannot be trusted to keep numbering stable, and guessing would renumber data.
+    """
+    path = os.path.join(dest, MAPPING_NAME)
+    try:
+        with open(path, "rb") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return {}, False
+    records: dict[int, MappingRecord] = {}
+    torn = False
+    for n, line in enumerate(lines, 1):
+        try:
+            if not line.endswith(b"\n"):
+                raise ValueError("no newline")
+            d = json.loads(line)
+            rec = MappingRecord(int(d["i"]), str(d["id"]), str(d["output"]), str(d["shard"]))
+            if rec.i < 0 or not isinstance(d["i"], int):
+                raise ValueError("bad number")
+        except (ValueError, KeyError, TypeError) as e:
+            if n == len(lines):
+                torn = True
+                break
+            raise ExportError(f"{path}:{n}: damaged mapping line ({e}); refusing to renumber") from None
+        old = records.get(rec.i)
+        if old is not None and old.sample_id != rec.sample_id:
+            raise ExportError(
+                f"{path}:{n}: data_{rec.i} was {old.sample_id!r}, this line says {rec.sample_id!r}"
+            )
+        records[rec.i] = rec
+    by_id: dict[str, int] = {}
+    for rec in records.values():
+        if by_id.setdefault(rec.sample_id, rec.i) != rec.i:
+            raise ExportError(
+                f"{path}: sample {rec.sample_id!r} has two numbers ({by_id[rec.sample_id]}, {rec.i})"
+            )
+    return records, torn
+
+
+def _mapping_line(rec: MappingRecord) -> bytes:
+    return json.dumps(rec.to_json(), sort_keys=True, ensure_ascii=True).encode("ascii") + b"\n"
+
+
+def _append_mapping(dest: str, recs: Sequence[MappingRecord]) -> None:
+    data = b"".join(_mapping_line(r) for r in recs)
+    if not data:
+        return
+    fd = os.open(os.path.join(dest, MAPPING_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rewrite_mapping(dest: str, records: dict[int, MappingRecord]) -> None:
+    """Replace a mapping whose last line was torn by its good lines (atomic rename)."""
+    data = b"".join(_mapping_line(records[i]) for i in sorted(records))
+    fmt.atomic_write_bytes(os.path.join(dest, MAPPING_NAME), data)
+
+
+# --- links ------------------------------------------------------------------------------------
+def _link_ok(path: str, target: str, mode: str, target_stat: os.stat_result | None) -> bool:
+    try:
+        if mode == "symlink":
+            return os.readlink(path) == target
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return target_stat is not None and (st.st_dev, st.st_ino) == (target_stat.st_dev, target_stat.st_ino)
+
+
+def _make_link(path: str, target: str, mode: str) -> None:
+    """Create or replace `path` atomically: a link at a temp name, then rename over."""
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, fmt.temp_name(name))
+    if mode == "symlink":
+        os.symlink(target, tmp)
+    else:
+        os.link(target, tmp, follow_symlinks=False)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _probe_hardlink(target: str, dest: str) -> None:
+    """Fail early (nothing done) when DEST cannot hold hard links to OUTPUT's shards."""
+    tmp = os.path.join(dest, fmt.temp_name("probe"))
+    try:
+        os.link(target, tmp, follow_symlinks=False)
+    except OSError as e:
+        if e.errno == errno.EXDEV:
+            raise ExportError(
+                f"cannot hard-link across filesystems: shard {target} and view {dest} are on "
+                "different filesystems (EXDEV); use --link symlink or a DEST on the same filesystem"
+            ) from None
+        raise ExportError(f"cannot hard-link {target} into {dest}: {e.strerror or e}") from None
+    os.unlink(tmp)
+
+
+# --- verification -----------------------------------------------------------------------------
+def _verify(output: str, level: str, workers: int) -> VerifyReport:
+    if level == "deep":  # needs torch: only then import the torch-based verifier
+        from extraction.shards.verify import verify_output
+
+        return verify_output(output, level, workers=workers)
+    return fmt.verify_output(output, level, workers=workers)
+
+
+def _eligible(index: dict[str, fmt.IndexEntry], report: VerifyReport) -> dict[str, fmt.IndexEntry]:
+    """The entries of an index snapshot taken before verifying whose shards passed.
+
+    The snapshot must predate the verification: the writer renames a shard into place before
+    it appends its index line, so every shard the snapshot names was on disk when the verifier
+    listed the directory, and a sample finished while we verified is left for the next run.
+    """
+    bad_paths = {b.path for b in report.bad}
+    missing, unindexed = set(report.missing), set(report.unindexed)
+    return {
+        sid: e
+        for sid, e in index.items()
+        if sid not in missing and e.path not in bad_paths and e.path not in unindexed
+    }
+
+
+# --- the export -------------------------------------------------------------------------------
+def _check_dest(dest: str, outputs: Sequence[str]) -> None:
+    for out in outputs:
+        if dest == out or dest.startswith(out + os.sep) or out.startswith(dest + os.sep):
+            raise ExportError(f"view {dest} and output {out} must not contain each other")
+    if os.path.lexists(dest) and not os.path.isdir(dest):
+        raise ExportError(f"{dest}: exists and is not a directory")
+
+
+def export_view(
+    outputs: Sequence[str],
+    dest: str,
+    *,
+    layout: str = "specforge",
+    link: str | None = None,
+    level: str = "full",
+    group_size: int | None = None,
+    workers: int = 1,
+    log: Callable[[str], None] = lambda _m: None,
+) -> ExportReport:
+    """Build or update the view at `dest` of the verified shards of `outputs`.
+
+    Raises ExportError (or ManifestError) for usage and I/O problems; then DEST is unchanged.
+    """
+    started = time.monotonic()
+    if layout not in LAYOUTS:
+        raise ExportError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if link is not None and link not in LINK_MODES:
+        raise ExportError(f"link must be one of {', '.join(LINK_MODES)}, got {link!r}")
+    if level not in fmt.LEVELS:
+        raise ExportError(f"level must be one of {', '.join(fmt.LEVELS)}, got {level!r}")
+    if group_size is not None and group_size < 1:
+        raise ExportError(f"group size must be at least 1, got {group_size}")
+    if not outputs:
+        raise ExportError("no OUTPUT given")
+    real_outputs: list[str] = []
+    for out in outputs:
+        if not os.path.isdir(out):
+            raise ExportError(f"{out}: not a directory")
+        r = os.path.realpath(out)
+        if r not in real_outputs:
+            real_outputs.append(r)
+    dest = os.path.abspath(dest)
+    dest_real = os.path.realpath(dest)
+    _check_dest(dest_real, real_outputs)
+
+    # The run every output must belong to (refuse to mix runs in one training set).
+    runs = {}
+    for out in real_outputs:
+        runs[out] = fmt.read_manifest_dict(out)
+    first = real_outputs[0]
+    base = _run_identity(runs[first], os.path.join(first, fmt.MANIFEST_NAME))
+    for out in real_outputs[1:]:
+        diff = manifest_mismatches(base, _run_identity(runs[out], os.path.join(out, fmt.MANIFEST_NAME)))
+        if diff:
+            raise ExportError(f"{out} and {first} are different runs: " + "; ".join(diff))
+
+    created_dest = not os.path.lexists(dest)
+    if created_dest:
+        os.makedirs(dest)
+    lock_path = os.path.join(dest, LOCK_NAME)
+    created_lock = not os.path.lexists(lock_path)
+    try:
+        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        _undo_fresh(dest, created_dest, False)
+        raise ExportError(f"{dest}: cannot create its lock file: {e.strerror or e}") from None
+    try:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            created_dest = created_lock = False  # not ours to clean up
+            raise ExportError(f"{dest}: another hsx export-view is updating this view") from None
+        report = _export_locked(real_outputs, dest, base, layout, link, level, group_size, workers, log)
+    except BaseException:
+        if not os.path.exists(os.path.join(dest, META_NAME)):
+            _undo_fresh(dest, created_dest, created_lock)
+        raise
+    finally:
+        os.close(lock_fd)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _undo_fresh(dest: str, created_dest: bool, created_lock: bool) -> None:
+    """After a failure before the view existed: remove the lock and DEST this run created."""
+    try:
+        if created_lock:
+            os.unlink(os.path.join(dest, LOCK_NAME))
+        if created_dest:
+            os.rmdir(dest)  # fails, harmlessly, unless empty
+    except OSError:
+        pass
+
+
+def _export_locked(
+    outputs: list[str],
+    dest: str,
+    base: RunManifest,
+    layout: str,
+    link: str | None,
+    level: str,
+    group_size: int | None,
+    workers: int,
+    log: Callable[[str], None],
+) -> ExportReport:
+    meta = read_meta(dest)
+    if meta is None:
+        foreign = sorted(n for n in os.listdir(dest) if n != LOCK_NAME)
+        if foreign:
+            raise ExportError(
+                f"{dest}: not empty and not an export view (no {META_NAME}; found {', '.join(foreign[:5])}"
+                f"{' ...' if len(foreign) > 5 else ''}); refusing to write into it"
+            )
+    else:
+        if meta.get("layout") != layout:
+            raise ExportError(f"{dest}: is a {meta.get('layout')!r} view, not {layout!r}")
+        if link is not None and meta.get("link") != link:
+            raise ExportError(
+                f"{dest}: was built with --link {meta.get('link')}; rebuild it into a new DEST to change"
+            )
+        if group_size is not None and meta.get("group_size") != group_size:
+            raise ExportError(f"{dest}: was built with group size {meta.get('group_size')}, not {group_size}")
+        diff = manifest_mismatches(_run_identity(meta.get("run") or {}, os.path.join(dest, META_NAME)), base)
+        if diff:
+            raise ExportError(f"{dest}: holds a view of a different run: " + "; ".join(diff))
+    link = meta["link"] if meta else (link or "symlink")
+    group_size = int(meta["group_size"]) if meta else (group_size or DEFAULT_GROUP_SIZE)
+    report = ExportReport(dest=dest, layout=layout, link=link, level=level, group_size=group_size)
+
+    records, torn = read_mapping(dest)
+    report.mapping_torn_tail = torn
+
+    # 1. Verify every output; an I/O error anywhere stops everything (not evidence of bad data).
+    eligible: dict[str, dict[str, fmt.IndexEntry]] = {}
+    for out in outputs:
+        log(f"verifying {out} ({level})")
+        snapshot = fmt.load_index(out)
+        vr = _verify(out, level, workers)
+        if vr.errors:
+            raise ExportError(
+                f"{out}: I/O errors while verifying, nothing changed: " + "; ".join(vr.errors[:3])
+            )
+        report.outputs.append(
+            OutputReport(out, vr.checked, vr.ok, vr.bad, vr.missing, len(vr.unindexed), vr.index_bad_lines)
+        )
+        eligible[out] = _eligible(snapshot, vr)
+
+    # 2. Plan: numbered samples keep their number; new ones get the next numbers.
+    given = set(outputs)
+    appended: list[MappingRecord] = []
+    want: dict[int, MappingRecord | None] = {}  # number -> record to link, or None to unlink
+    reasons: dict[int, str] = {}
+    source: dict[str, str] = {}  # sample id -> the output its number links to (this run)
+    for i, rec in sorted(records.items()):
+        if rec.output in given and rec.sample_id in eligible[rec.output]:
+            want[i] = rec
+        elif (other := next((o for o in outputs if rec.sample_id in eligible[o]), None)) is not None:
+            want[i] = MappingRecord(i, rec.sample_id, other, eligible[other][rec.sample_id].path)
+            appended.append(want[i])
+            report.repointed += 1
+        elif rec.output in given:
+            want[i] = None
+            reasons[i] = _why_not(rec, report)
+        else:
+            report.not_rechecked += 1
+        source[rec.sample_id] = want[i].output if want.get(i) else rec.output
+    first_new = next_i = max(records) + 1 if records else 0
+    for out in outputs:
+        for sid in sorted(eligible[out]):
+            if sid in source:
+                if source[sid] != out:
+                    report.duplicates.append({"id": sid, "output": out})
+                continue
+            want[next_i] = MappingRecord(next_i, sid, out, eligible[out][sid].path)
+            appended.append(want[next_i])
+            source[sid] = out
+            next_i += 1
+    report.added = next_i - first_new
+
+    # 3. Preflight what could fail half-way: hard links across filesystems.
+    if link == "hardlink":
+        for out in outputs:
+            sample = next((r for r in want.values() if r is not None and r.output == out), None)
+            if sample is not None:
+                _probe_hardlink(sample.target, dest)
+
+    # 4. Commit: metadata, then mapping (write-ahead), then links.
+    if meta is None:
+        run = {k: v for k, v in base.to_dict().items() if k not in ("extra", "created_at")}
+        meta = {
+            "format": VIEW_FORMAT,
+            "version": VIEW_VERSION,
+            "layout": layout,
+            "link": link,
+            "group_size": group_size,
+            "run": run,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        fmt.atomic_write_bytes(os.path.join(dest, META_NAME), json.dumps(meta, indent=2).encode() + b"\n")
+    if torn:
+        _rewrite_mapping(dest, records)
+    _append_mapping(dest, appended)
+    for rec in appended:
+        records[rec.i] = rec
+
+    touched: set[str] = set()
+    made_groups: set[str] = set()
+    for i, rec in sorted(want.items()):
+        rel = link_relpath(i, group_size)
+        path = os.path.join(dest, rel)
+        if rec is None:
+            if os.path.lexists(path):
+                os.unlink(path)
+                touched.add(os.path.dirname(path))
+            report.unlinked.append({"i": i, "id": records[i].sample_id, "reason": reasons[i]})
+            continue
+        try:  # a concurrent `hsx verify --quarantine` may have moved it since we verified
+            target_stat = os.stat(rec.target)
+        except FileNotFoundError:
+            target_stat = None
+        if target_stat is None:
+            if os.path.lexists(path):
+                os.unlink(path)
+                touched.add(os.path.dirname(path))
+            report.unlinked.append(
+                {"i": i, "id": rec.sample_id, "reason": "shard vanished during the export"}
+            )
+            want[i] = None
+            continue
+        if not _link_ok(path, rec.target, link, target_stat):
+            gdir = os.path.dirname(path)
+            if gdir not in made_groups and not os.path.isdir(gdir):
+                os.makedirs(gdir, exist_ok=True)
+                touched.add(dest)
+            made_groups.add(gdir)
+            _make_link(path, rec.target, link)
+            touched.add(gdir)
+            if i < first_new:
+                report.relinked += 1
+    _sweep(dest, records, want, group_size, report, touched)
+    for d in sorted(touched):
+        fmt.fsync_dir(d)
+    report.numbered = len(records)
+    report.linked = sum(
+        1 for i in records if os.path.lexists(os.path.join(dest, link_relpath(i, group_size)))
+    )
+    return report
+
+
+def _why_not(rec: MappingRecord, report: ExportReport) -> str:
+    out = next(o for o in report.outputs if o.output == rec.output)
+    for b in out.bad:
+        if b.sample_id == rec.sample_id or b.path == rec.shard:
+            return f"failed {report.level}: {b.reason}"
+    if rec.sample_id in out.missing:
+        return "indexed but missing on disk"
+    return "no longer in the output's index (quarantined or removed)"
+
+
+def _sweep(
+    dest: str,
+    records: dict[int, MappingRecord],
+    want: dict[int, MappingRecord | None],
+    group_size: int,
+    report: ExportReport,
+    touched: set[str],
+) -> None:
+    """Remove what a crash or an unlink left behind: our temps, links without a live number."""
+    for name in sorted(os.listdir(dest)):
+        path = os.path.join(dest, name)
+        if name in (META_NAME, MAPPING_NAME, LOCK_NAME):
+            continue
+        if fmt.is_temp_name(name):
+            os.unlink(path)
+            report.leftovers_removed.append(name)
+            touched.add(dest)
+            continue
+        if not (_GROUP_DIR.match(name) and os.path.isdir(path) and not os.path.islink(path)):
+            report.unknown.append(name)
+            continue
+        for entry in sorted(os.listdir(path)):
+            epath = os.path.join(path, entry)
+            m = _LINK_NAME.match(entry)
+            if fmt.is_temp_name(entry):
+                stale = True
+            elif m:
+                i = int(m.group(1))
+                stale = (
+                    i not in records or want.get(i, records[i]) is None or group_dir(i, group_size) != name
+                )
+            else:
+                report.unknown.append(f"{name}/{entry}")
+                continue
+            if stale and not os.path.isdir(epath):
+                os.unlink(epath)
+                report.leftovers_removed.append(f"{name}/{entry}")
+                touched.add(path)
+
+
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "LAYOUTS",
+    "LINK_MODES",
+    "MAPPING_NAME",
+    "META_NAME",
+    "ExportError",
+    "ExportReport",
+    "ManifestError",
+    "MappingRecord",
+    "export_view",
+    "link_relpath",
+    "read_mapping",
+    "read_meta",
+]
