@@ -115,7 +115,7 @@ def _checks(f: dict[str, Any]) -> list[dict[str, Any]]:
             f"{job.get('done')}/{job.get('total')} done, {job.get('samples_per_s')} samples/s"
             + ("" if not job.get("message") else f" ({job.get('message')})"))
     if f.get("failed_task"):
-        stage = stage_of_task(f.get("failed_task")) or "recover"
+        stage = f.get("failed_stage") or stage_of_task(f.get("failed_task")) or "recover"
         add(stage, False, f"{f.get('failed_task')}: {f.get('failed_msg')}")
     return checks
 
@@ -123,7 +123,9 @@ def _checks(f: dict[str, Any]) -> list[dict[str, Any]]:
 def host_report(facts: dict[str, Any]) -> dict[str, Any]:
     """One host's report from the facts recover.yml dumped for it."""
     checks = _checks(facts)
-    failed_stage = stage_of_task(facts.get("failed_task")) if facts.get("failed_task") else None
+    failed_stage = None
+    if facts.get("failed_task"):
+        failed_stage = facts.get("failed_stage") or stage_of_task(facts.get("failed_task")) or "recover"
     ok = not facts.get("failed_task") and all(c["ok"] for c in checks)
     before = {
         "progress": _progress(facts.get("status_before")),

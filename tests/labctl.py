@@ -15,6 +15,11 @@ LAB = REPO / "tests" / "lab" / "lab.py"
 BIN = Path(sys.executable).parent
 
 
+def host(index: int) -> str:
+    """The name of lab host `index` in this lab (HSX_LAB_ID selects a parallel lab)."""
+    return f"hsxlab{os.environ.get('HSX_LAB_ID', '')}-{index}"
+
+
 def lab(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(LAB), *args], capture_output=True, text=True, check=check)
 
@@ -56,3 +61,15 @@ def lab_push(host: str, local: Path, remote: str) -> None:
     scp_opts = ssh[1:-1]  # ssh's options; scp takes the same
     subprocess.run(["scp", "-r", "-q", *scp_opts, f"{local}/.", f"root@{h.address}:{remote}/"],
                    check=True, capture_output=True)
+
+
+def lab_fetch(host: str, remote_dir: str, local: Path, *members: str) -> None:
+    """Copy members of a directory on a lab host into `local` (tar over ssh)."""
+    spec = importlib.util.spec_from_file_location("hsx_lab_for_fetch", LAB)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    ssh = mod.ssh_base(mod.load_host(host))
+    local.mkdir(parents=True, exist_ok=True)
+    tar = subprocess.run([*ssh, f"tar -C {remote_dir} -cf - {' '.join(members)}"], capture_output=True, check=True)
+    subprocess.run(["tar", "-C", str(local), "-xf", "-"], input=tar.stdout, check=True)

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from labctl import lab  # noqa: E402
+from labctl import host, lab  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,5 +26,5 @@ def lab_hosts(request):
     """Boot N lab hosts (param or 1) for one test; always torn down."""
     count = getattr(request, "param", 1)
     lab("up", str(count))
-    yield [f"hsxlab-{i}" for i in range(1, count + 1)]
+    yield [host(i) for i in range(1, count + 1)]
     lab("down", check=False)

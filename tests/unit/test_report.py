@@ -1,0 +1,89 @@
+"""extraction/report.py: per-host JSON and summary.md from the facts recover.yml dumps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from extraction.cli import main
+from extraction.report import build, host_report, stage_of_task
+
+RECOVERED = {
+    "host": "node-1", "mode": "apply",
+    "status_before": {"state": "running", "done": 128, "total": 256, "pid_alive": False},
+    "status_after": {"state": "running", "done": 140, "total": 256, "making_progress": True},
+    "node_assess_report": {"units_running": ["vllm-kimi-k25-int4.service"], "data_mount": {"mounted": True}},
+    "gpu_reclaim_result": {"units_running": ["vllm-kimi-k25-int4.service"], "units_changed": ["vllm-kimi-k25-int4.service"],
+                           "processes_ended": [{"pid": 7}], "gpus": 8, "failed": False},
+    "storage_guard_result": {"mount": "/data", "free_bytes": "9000", "need_bytes": "100", "remaining_samples": "128"},
+    "shard_verify_result": {"level": "full", "ok": 125, "bad_count": 3, "missing_count": 0,
+                            "quarantined": ["a", "b", "c"], "orphans_removed": 2},
+    "extraction_deploy_result": {"version": "0.1.0", "venv": "/opt/hsx/venv", "installed": True},
+    "extraction_job_result": {"unit": "hsx-extraction.service", "active_state": "active", "state": "running",
+                              "done": 140, "total": 256, "samples_per_s": 12.5, "making_progress": True},
+}
+BROKEN = {"host": "node-4", "mode": "apply", "failed_stage": "storage", "failed_task": "The data mount must be mounted",
+          "failed_msg": "/data is not mounted on node-4", "status_before": {"done": 128, "total": 256},
+          "node_assess_report": {"units_running": [], "data_mount": {"mounted": False}}}
+
+
+def test_recovered_host_is_ok_with_before_and_after():
+    r = host_report(RECOVERED)
+    assert r["ok"] and r["failed_step"] is None
+    assert [c["name"] for c in r["checks"]] == ["assess", "gpus", "storage", "shards", "deploy", "job"]
+    assert r["before"]["progress"]["done"] == 128 and r["after"]["progress"]["done"] == 140
+    assert r["after"]["shards_quarantined"] == 3 and r["after"]["processes_ended"] == 1
+
+
+def test_unquarantined_bad_shards_make_the_host_not_ok():
+    facts = json.loads(json.dumps(RECOVERED))
+    facts["shard_verify_result"]["quarantined"] = []
+    r = host_report(facts)
+    assert not r["ok"] and not {c["name"]: c for c in r["checks"]}["shards"]["ok"]
+
+
+def test_a_stalled_job_is_not_ok():
+    facts = json.loads(json.dumps(RECOVERED))
+    facts["extraction_job_result"].update(making_progress=False, state="running")
+    assert not host_report(facts)["ok"]
+
+
+def test_failed_host_names_the_step_and_the_reason():
+    r = host_report(BROKEN)
+    assert not r["ok"] and r["failed_step"] == "storage" and "not mounted" in r["reason"]
+
+
+def test_stage_from_role_prefixed_task_names():
+    assert stage_of_task("storage_guard : The data mount must be mounted") == "storage"
+    assert stage_of_task("gpu_reclaim : Stop units") == "gpus"
+    assert stage_of_task("something else") is None
+
+
+def test_build_writes_reports_and_marks_hosts_without_facts_unreachable(tmp_path, capsys):
+    (tmp_path / "facts").mkdir()
+    for facts in (RECOVERED, BROKEN):
+        (tmp_path / "facts" / f"{facts['host']}.json").write_text(json.dumps(facts))
+    (tmp_path / "hosts.json").write_text(json.dumps(["node-1", "node-4", "node-9"]))
+    reports, summary = build(tmp_path)
+    assert [r["ok"] for r in reports] == [True, False, False]
+    assert json.loads((tmp_path / "node-9.json").read_text())["failed_step"] == "connect"
+    text = summary.read_text()
+    assert "1 of 3 hosts ok." in text and "**node-4**: step `storage`" in text and "unreachable" in text
+    assert "| node-1 | yes | 128/256 (running) | 140/256 (running) |" in text
+    assert main(["report", str(tmp_path), "--quiet"]) == 1
+
+
+def test_not_a_report_dir_is_a_usage_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "not a recovery report directory" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("host", ["node-1"])
+def test_report_json_has_the_documented_shape(tmp_path, host):
+    (tmp_path / "facts").mkdir()
+    (tmp_path / "facts" / f"{host}.json").write_text(json.dumps(RECOVERED))
+    build(tmp_path)
+    data = json.loads((tmp_path / f"{host}.json").read_text())
+    assert {"host", "ok", "checks", "before", "after"} <= data.keys()
+    assert all({"name", "ok", "detail"} == set(c) for c in data["checks"])
