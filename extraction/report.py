@@ -110,7 +110,8 @@ def _checks(f: dict[str, Any]) -> list[dict[str, Any]]:
     job = f.get("extraction_job_result")
     if job:
         state = job.get("state")
-        ok = bool(job.get("making_progress")) or state == "done" or f.get("mode") == "check"
+        ok = (bool(job.get("making_progress")) or state == "done" or f.get("mode") == "check"
+              or job.get("start_requested") is False)
         add("job", ok, f"{job.get('unit')}: {job.get('active_state')}, {state}, "
             f"{job.get('done')}/{job.get('total')} done, {job.get('samples_per_s')} samples/s"
             + ("" if not job.get("message") else f" ({job.get('message')})"))

@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
-# `make demo`: the main job on the embedded default (the lab). Boots a real lab host, plants a
-# crashed-looking node (an auto-started fake vLLM unit holding the node), and runs the recovery.
+# `make demo`: the main job on the embedded default (the lab). Boots a real lab host, plants the
+# incident (an auto-started fake vLLM unit, a half-finished extraction with truncated and corrupt
+# shards and orphan temp files, nothing deployed), shows the assessment (--check), runs the
+# recovery, and prints the report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PATH="$PWD/.venv/bin:$PATH" ANSIBLE_FORCE_COLOR=0
+export PATH="$PWD/.venv/bin:$PATH" ANSIBLE_FORCE_COLOR=0 HF_HUB_OFFLINE=1
+start=$(date +%s)
 echo "== booting 1 lab host"
-.venv/bin/python tests/lab/lab.py up 1
-echo "== planting the incident"
-ansible-playbook tests/plays/plant_units.yml >/dev/null
-echo "== ansible-playbook recover.yml --check --diff (the assessment; changes nothing)"
-ansible-playbook recover.yml --check --diff | sed -n '/Print the assessment/,$p'
-echo "== the lab host is still up: 'tests/lab/lab.py ssh hsxlab-1 CMD' to look; 'make lab-down' to remove it"
+.venv/bin/python tests/lab/lab.py up 1 --data-size 1G
+echo "== planting the incident (first time: builds the tiny model and the half-finished run, ~1-2 min)"
+ansible-playbook tests/plays/plant_incident.yml >/tmp/hsx-demo-plant.log 2>&1 || { tail -40 /tmp/hsx-demo-plant.log; exit 1; }
+echo "== ansible-playbook recover.yml --check --diff   (the assessment: changes nothing)"
+ansible-playbook recover.yml --check --diff >/tmp/hsx-demo-check.log 2>&1 || true
+sed -n '/Print the assessment/,/^$/p' /tmp/hsx-demo-check.log | head -40
+echo "== ansible-playbook recover.yml   (the recovery)"
+crash=$(date +%s)
+if ansible-playbook recover.yml >/tmp/hsx-demo-recover.log 2>&1; then rc=0; else rc=$?; fi
+report=$(ls -d reports/*/ | sort | tail -1)
+cat "$report/summary.md"
+echo "== crash to 'extraction making progress': $(( $(date +%s) - crash ))s (whole demo $(( $(date +%s) - start ))s); play exit code $rc"
+echo "== full log: /tmp/hsx-demo-recover.log; the host is still up: '.venv/bin/python tests/lab/lab.py ssh hsxlab-1 CMD'; 'make lab-down' removes it"
+exit $rc

@@ -14,6 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("status", help="show the progress of one or more extraction outputs")
     p.add_argument("outputs", nargs="+", metavar="OUTPUT", help="output directory of `hsx extract`")
     p.add_argument("--json", action="store_true", help="print JSON (one object; 'outputs' and 'total')")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw samples done over time (needs matplotlib)")
     p.set_defaults(func=run)
 
 
@@ -38,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         if s.get("state") in ("running", "starting") and s["pid_alive"] is False:
             s["state_note"] = "the process is gone: crashed or killed; run hsx extract again to resume"
         statuses.append(s)
+    if args.plot and statuses:
+        code = max(code, _plot(statuses, args.plot))
     if args.json:
         payload = {"outputs": statuses, "total": summarize(statuses) if statuses else None}
         print(json.dumps(payload, indent=2, sort_keys=True))
@@ -54,3 +57,18 @@ def run(args: argparse.Namespace) -> int:
             f"{t['samples_per_s']} samples/s, ETA {t['eta_s'] if t['eta_s'] is not None else '?'} s"
         )
     return code
+
+
+def _plot(statuses: list[dict], path: str) -> int:
+    """Draw each output's history; 2 (usage/I-O) when it cannot be drawn."""
+    from extraction.operator.plot import PlotError, plot_history
+
+    series = {s["output"]: s.get("history") or [] for s in statuses}
+    totals = {s["output"]: s.get("total") for s in statuses}
+    try:
+        plot_history(series, path, "samples done", totals)
+    except PlotError as exc:
+        print(f"hsx status: {exc}", file=sys.stderr)
+        return 2
+    print(f"plot: {path}", file=sys.stderr)
+    return 0

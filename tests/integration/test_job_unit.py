@@ -25,8 +25,13 @@ def deployed():
     lab("down", check=False)
 
 
-def status() -> dict:
-    out = lab_ssh(HOST, "/opt/hsx/venv/bin/hsx status /data/hsx/output --json").stdout
+def use_output(path: str) -> None:
+    """Point the deployed job at a fresh output and restart it (a new run, from sample 0)."""
+    lab_ssh(HOST, f"sed -i 's#^output: .*#output: {path}#' /etc/hsx/extract.yaml && systemctl restart hsx-extraction")
+
+
+def status(output: str = "/data/hsx/output") -> dict:
+    out = lab_ssh(HOST, f"/opt/hsx/venv/bin/hsx status {output} --json").stdout
     return json.loads(out)["outputs"][0] if out.strip().startswith("{") else {}
 
 
@@ -48,23 +53,24 @@ def test_deployed_without_network_and_idempotent(deployed):
 
 
 def test_killed_job_is_restarted_and_resumes(deployed):
-    wait_for(lambda: 20 <= (status().get("done") or 0) < 200, 300, "the job to be mid-run")
+    out = "/data/hsx/run-killed"
+    use_output(out)
+    wait_for(lambda: 16 <= (status(out).get("done") or 0) < 200, 300, "the job to be mid-run")
     pid = lab_ssh(HOST, "systemctl show -p MainPID --value hsx-extraction").stdout.strip()
     lab_ssh(HOST, f"kill -9 {pid}")
-    restarted = wait_for(lambda: (s := status()).get("pid") not in (None, int(pid)) and s, 120, "a restart")
+    restarted = wait_for(lambda: (s := status(out)).get("pid") not in (None, int(pid)) and s, 120, "a restart")
     assert restarted["skipped_existing"] > 0
     assert lab_ssh(HOST, "systemctl show -p NRestarts --value hsx-extraction").stdout.strip() != "0"
-    done = wait_for(lambda: (s := status()).get("state") == "done" and s, 600, "the job to finish")
+    done = wait_for(lambda: (s := status(out)).get("state") == "done" and s, 600, "the job to finish")
     assert done["done"] == done["total"]
-    deep = lab_ssh(HOST, "/opt/hsx/venv/bin/hsx verify /data/hsx/output --level deep --json")
+    deep = lab_ssh(HOST, f"/opt/hsx/venv/bin/hsx verify {out} --level deep --json")
     assert deep.returncode == 0 and json.loads(deep.stdout)["ok"] == done["total"]
 
 
 def test_job_paused_for_disk_stays_stopped_and_says_why(deployed):
     # A new run into a fresh output on a nearly full /data: the runner pauses with exit 75.
-    lab_ssh(HOST, "sed -i 's#^output: .*#output: /data/hsx/output2#' /etc/hsx/extract.yaml && "
-                  "fallocate -l $(( $(df --output=avail -B1 /data | tail -1) - 8*1024*1024 )) /data/filler")
-    lab_ssh(HOST, "systemctl restart hsx-extraction")
+    lab_ssh(HOST, "fallocate -l $(( $(df --output=avail -B1 /data | tail -1) - 8*1024*1024 )) /data/filler")
+    use_output("/data/hsx/run-paused")
     wait_for(lambda: lab_ssh(HOST, "systemctl is-active hsx-extraction").stdout.strip() in ("failed", "inactive"),
              120, "the paused job to stop")
     time.sleep(5)  # longer than RestartSec: a restart would have happened by now

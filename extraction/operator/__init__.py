@@ -1,0 +1,7 @@
+"""The operator's front door over ansible-runner: `hsx recover|provision|rollout-patch|fleet-status`.
+
+events: runner events -> per-host progress and its live or line-by-line display.
+playbook: run one of our playbooks through ansible-runner (artifacts bounded, no secrets kept).
+fleetstatus: one ad-hoc `extraction_status` run over the fleet -> rows, marks, fleet total.
+plot: samples done over time from status.json histories, as a PNG.
+"""

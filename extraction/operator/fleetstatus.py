@@ -1,0 +1,218 @@
+"""`hsx fleet-status`: every host's extraction progress from one ad-hoc `extraction_status` run.
+
+Hosts that are unreachable, whose module failed, that have no job, or whose job is not making
+progress are marked (and make the exit code 1); none is left out of the table or the total.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from extraction.operator.events import failure_message
+from extraction.operator.playbook import REPORTS, absolute, private_data_dir, runner_env, scrub_artifacts
+from extraction.status import _fmt_eta
+
+DEFAULT_OUTPUT_DIR = "/data/hsx/output"
+OUTPUT_DIR_ARG = "{{ hsx_output_dir | default('" + DEFAULT_OUTPUT_DIR + "') }}"
+KEEP_ARTIFACTS = 5
+UNREACHABLE, FAILED, NO_JOB, STALLED = "UNREACHABLE", "MODULE FAILED", "NO JOB", "NOT PROGRESSING"
+
+
+@dataclass
+class HostStatus:
+    """One host's answer: the module's result, or why there is none."""
+
+    host: str
+    result: dict[str, Any] = field(default_factory=dict)
+    unreachable: bool = False
+    error: str = ""
+    history: list[list[float]] = field(default_factory=list)
+
+    @property
+    def mark(self) -> str:
+        """Empty when the host is fine (done, or running and making progress)."""
+        if self.unreachable:
+            return UNREACHABLE
+        if self.error:
+            return FAILED
+        state = self.result.get("state", "none")
+        if state == "none":
+            return NO_JOB
+        if state == "done" or self.result.get("making_progress"):
+            return ""
+        return STALLED
+
+    @property
+    def reason(self) -> str:
+        if self.unreachable or self.error:
+            return self.error
+        r = self.result
+        if self.mark != STALLED:
+            return r.get("message", "") if self.mark else ""
+        why = [f"state {r.get('state')}"]
+        if r.get("pid_alive") is False:
+            why.append(f"pid {r.get('pid')} not running")
+        if r.get("message"):
+            why.append(str(r["message"]))
+        return "; ".join(why)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "mark": self.mark or None,
+            "reason": self.reason or None,
+            "unreachable": self.unreachable,
+            **{k: v for k, v in self.result.items() if k != "invocation"},
+        }
+
+
+class StatusCollector:
+    """Runner event handler for the ad-hoc run: the last result per host."""
+
+    def __init__(self) -> None:
+        self.hosts: dict[str, HostStatus] = {}
+
+    def __call__(self, event: dict[str, Any]) -> bool:
+        kind = event.get("event", "")
+        data = event.get("event_data") or {}
+        name = data.get("host")
+        if not name or kind not in ("runner_on_ok", "runner_on_failed", "runner_on_unreachable"):
+            return True
+        res = data.get("res") or {}
+        h = self.hosts.setdefault(name, HostStatus(name))
+        if kind == "runner_on_unreachable":
+            h.unreachable, h.error = True, failure_message(res)
+        elif kind == "runner_on_failed":
+            h.error = failure_message(res)
+        elif data.get("task_action", "").endswith("slurp"):
+            h.history = _history_from_slurp(res)
+        else:
+            h.result = dict(res)
+        return True
+
+
+def _history_from_slurp(res: dict[str, Any]) -> list[list[float]]:
+    import base64
+
+    try:
+        status = json.loads(base64.b64decode(res.get("content", "")))
+        return [[float(t), int(d)] for t, d in status.get("history") or []]
+    except (ValueError, TypeError):
+        return []
+
+
+def _adhoc(
+    collector: StatusCollector,
+    module: str,
+    module_args: str,
+    inventory: list[str] | None,
+    limit: str | None,
+    become: bool,
+    report_dir: Path,
+) -> Any:
+    import ansible_runner
+
+    cmdline = "--become" if become else None
+    ident = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-fleet-status-{module.rsplit('.', 1)[-1]}"
+    runner = ansible_runner.run(
+        private_data_dir=str(private_data_dir(report_dir)),
+        module=module,
+        module_args=module_args,
+        host_pattern=limit or "all",
+        inventory=[absolute(i) for i in inventory] if inventory else None,
+        cmdline=cmdline,
+        envvars=runner_env(),
+        ident=ident,
+        rotate_artifacts=KEEP_ARTIFACTS,
+        suppress_env_files=True,
+        quiet=True,
+        event_handler=collector,
+    )
+    scrub_artifacts(runner.config.artifact_dir)
+    return runner
+
+
+def collect(
+    inventory: list[str] | None,
+    limit: str | None = None,
+    become: bool = False,
+    with_history: bool = False,
+    report_dir: Path = REPORTS,
+) -> tuple[list[HostStatus], Any]:
+    """One ad-hoc run of extraction_status over the fleet (plus one slurp of status.json for plots)."""
+    collector = StatusCollector()
+    runner = _adhoc(
+        collector, "extraction_status", f"output_dir={OUTPUT_DIR_ARG}", inventory, limit, become, report_dir
+    )
+    if with_history:
+        _adhoc(
+            collector,
+            "ansible.builtin.slurp",
+            f"src={OUTPUT_DIR_ARG}/status.json",
+            inventory,
+            limit,
+            become,
+            report_dir,
+        )
+    return sorted(collector.hosts.values(), key=lambda h: h.host), runner
+
+
+def fleet_total(hosts: list[HostStatus]) -> dict[str, Any]:
+    answered = [h.result for h in hosts if h.result]
+    done = sum(int(r.get("done") or 0) for r in answered)
+    total = sum(int(r.get("total") or 0) for r in answered)
+    rate = round(sum(float(r.get("samples_per_s") or 0) for r in answered if r.get("making_progress")), 3)
+    remaining = max(total - done, 0)
+    return {
+        "hosts": len(hosts),
+        "done": done,
+        "total": total,
+        "samples_per_s": rate,
+        "eta_s": round(remaining / rate, 1) if rate > 0 else None,
+        "marked": {h.host: h.mark for h in hosts if h.mark},
+    }
+
+
+def _age(v: Any) -> str:
+    return "?" if not isinstance(v, int | float) else f"{v:.0f}s" if v < 120 else _fmt_eta(v) + " ago"
+
+
+def render(hosts: list[HostStatus], out: TextIO = sys.stdout) -> None:
+    print(
+        f"{'HOST':<18} {'STATE':<16} {'DONE':>15} {'SAMPLES/S':>9} {'ETA':>8} {'PROGRESS':>10}  MARK",
+        file=out,
+    )
+    for h in hosts:
+        r = h.result
+        done, total = r.get("done"), r.get("total")
+        pct = f" {100 * done / total:5.1f}%" if r and total else ""
+        cells = (
+            f"{done}/{total if total is not None else '?'}{pct}" if r else "-",
+            f"{float(r.get('samples_per_s') or 0):.2f}" if r else "-",
+            _fmt_eta(r.get("eta_s")) if r else "-",
+            _age(r.get("last_progress_age_s")) if r else "-",
+        )
+        mark = f"{h.mark}: {h.reason}" if h.mark and h.reason else h.mark
+        state = r.get("state", "-") if r else "-"
+        print(
+            f"{h.host:<18} {state[:16]:<16} {cells[0]:>15} {cells[1]:>9} {cells[2]:>8} {cells[3]:>10}  {mark}",
+            file=out,
+        )
+    t = fleet_total(hosts)
+    pct = f" ({100 * t['done'] / t['total']:.1f}%)" if t["total"] else ""
+    print(
+        f"FLEET: {t['hosts']} hosts, done {t['done']}/{t['total']}{pct}, {t['samples_per_s']} samples/s, "
+        f"ETA {_fmt_eta(t['eta_s'])}; {len(t['marked'])} marked",
+        file=out,
+    )
+
+
+def as_json(hosts: list[HostStatus]) -> str:
+    return json.dumps(
+        {"hosts": [h.as_dict() for h in hosts], "total": fleet_total(hosts)}, indent=2, sort_keys=True
+    )

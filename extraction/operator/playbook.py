@@ -1,0 +1,182 @@
+"""Run one of the repository's playbooks through ansible-runner for `hsx recover|provision|rollout-patch`.
+
+Artifacts (events, stdout) go to `<reports>/.runner/artifacts/<ident>`, at most KEEP_ARTIFACTS
+runs kept. Nothing secret is kept there: env files are never written, the environment that
+ansible-runner records in `command` is dropped and extra-vars values are masked there; no_log
+results arrive censored from Ansible itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from extraction.operator.events import FleetProgress, make_display
+
+REPO = Path(__file__).resolve().parents[2]
+REPORTS = REPO / "reports"
+KEEP_ARTIFACTS = 10
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXTRA_VARS_FLAGS = ("-e", "--extra-vars")
+
+
+class OperatorError(RuntimeError):
+    """Bad input or a missing piece; the message names what and where (exit 2)."""
+
+
+def add_playbook_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-i",
+        "--inventory",
+        action="append",
+        metavar="INVENTORY",
+        help="inventory file, directory or script (repeatable; default: ansible.cfg's, the lab)",
+    )
+    p.add_argument("-l", "--limit", metavar="HOSTS", help="only these hosts (Ansible pattern)")
+    p.add_argument("-C", "--check", action="store_true", help="change nothing; report what would change")
+    p.add_argument("-D", "--diff", action="store_true", help="show the differences of changed files")
+    p.add_argument(
+        "-e",
+        "--extra-vars",
+        action="append",
+        default=[],
+        metavar="VARS",
+        help="extra variables as key=value, JSON or @file (repeatable)",
+    )
+    p.add_argument("-t", "--tags", metavar="TAGS", help="only tasks tagged with these (comma separated)")
+    p.add_argument("--skip-tags", metavar="TAGS", help="skip tasks tagged with these")
+    p.add_argument(
+        "--report-dir",
+        type=Path,
+        metavar="DIR",
+        help=f"where reports (and runner artifacts under .runner/) go (default: {REPORTS})",
+    )
+
+
+def runner_env() -> dict[str, str]:
+    """What ansible-playbook needs to find our config, modules and the `hsx` next to this Python."""
+    bin_dir = str(Path(sys.executable).parent)
+    return {
+        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+        "ANSIBLE_LIBRARY": str(REPO / "library"),
+        "ANSIBLE_MODULE_UTILS": str(REPO / "module_utils"),
+        "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
+        "ANSIBLE_NOCOLOR": "1",
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+
+
+def scrub_artifacts(artifact_dir: str | os.PathLike) -> None:
+    """Drop the environment ansible-runner records in `command` and mask the values of extra vars."""
+    path = Path(artifact_dir) / "command"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    argv = list(data.get("command") or [])
+    for i, arg in enumerate(argv[:-1]):
+        if arg in EXTRA_VARS_FLAGS:
+            argv[i + 1] = "<hidden>"
+    path.write_text(json.dumps({"command": argv, "cwd": data.get("cwd")}), encoding="utf-8")
+
+
+def absolute(path_or_pattern: str) -> str:
+    """Paths the user gave relative to where they are (ansible-playbook runs in the repository)."""
+    if path_or_pattern.startswith("@"):
+        return "@" + os.path.abspath(path_or_pattern[1:])
+    return os.path.abspath(path_or_pattern) if os.path.exists(path_or_pattern) else path_or_pattern
+
+
+def cmdline_for(args: argparse.Namespace) -> str:
+    """Flags ansible-runner has no keyword for, as the one command-line string it takes."""
+    argv: list[str] = []
+    for ev in args.extra_vars or []:
+        argv += ["-e", absolute(ev) if ev.startswith("@") else ev]
+    if args.check:
+        argv.append("--check")
+    if args.diff:
+        argv.append("--diff")
+    if args.skip_tags:
+        argv += ["--skip-tags", args.skip_tags]
+    return shlex.join(argv)
+
+
+def newest_summary(report_dir: Path, since: float) -> Path | None:
+    """The newest <report_dir>/<ts>/summary.md written after `since` (when events did not name one)."""
+    found = [p for p in report_dir.glob("*/summary.md") if p.stat().st_mtime >= since - 1]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def private_data_dir(report_dir: Path) -> Path:
+    pdd = report_dir / ".runner"
+    pdd.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return pdd
+
+
+def run_playbook(args: argparse.Namespace, playbook: str, title: str, out: TextIO = sys.stdout) -> int:
+    """Run `playbooks/<playbook>`, show progress, print its report; exit 0 ok, 1 a host failed, 2 usage."""
+    import ansible_runner
+
+    path = REPO / "playbooks" / playbook
+    if not path.is_file():
+        print(
+            f"hsx: {path.relative_to(REPO)} does not exist: this checkout has no {title} playbook yet",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    report_dir = (args.report_dir or REPORTS).resolve()
+    extra = list(args.extra_vars or [])
+    if args.report_dir:
+        extra.append(json.dumps({"hsx_report_dir": str(report_dir)}))
+    args.extra_vars = extra
+    progress = FleetProgress()
+    display = make_display(progress, out, title=f"hsx {title}")
+    started = time.time()
+    ident = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started)) + f"-{Path(playbook).stem}-{os.getpid()}"
+    runner = ansible_runner.run(
+        private_data_dir=str(private_data_dir(report_dir)),
+        project_dir=str(REPO),
+        playbook=str(path),
+        inventory=[absolute(i) for i in args.inventory] if args.inventory else None,
+        limit=args.limit,
+        tags=args.tags,
+        cmdline=cmdline_for(args) or None,
+        envvars=runner_env(),
+        ident=ident,
+        rotate_artifacts=KEEP_ARTIFACTS,
+        suppress_env_files=True,
+        quiet=True,
+        event_handler=display,
+    )
+    display.close()
+    scrub_artifacts(runner.config.artifact_dir)
+    return finish(runner, progress, report_dir, started, out)
+
+
+def finish(runner: Any, progress: FleetProgress, report_dir: Path, started: float, out: TextIO) -> int:
+    """The recap, the playbook's report and the exit code."""
+    if not progress.hosts:
+        tail = runner.stdout.read()[-4000:] if runner.stdout else ""
+        print(
+            f"hsx: ansible-playbook ended (rc={runner.rc}, {runner.status}) before any host ran:\n{tail}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE if runner.rc in (4, 5) or runner.status != "failed" else EXIT_FAILED
+    print("", file=out)
+    print("\n".join(progress.recap_lines()), file=out)
+    summary = Path(progress.report_dir) / "summary.md" if progress.report_dir else None
+    if summary is None or not summary.is_file():
+        summary = newest_summary(report_dir, started)
+    if summary is not None and summary.is_file():
+        print(f"\n{summary.read_text(encoding='utf-8')}", end="", file=out)
+        print(f"\nReport: {summary.parent}", file=out)
+    print(f"Runner artifacts: {runner.config.artifact_dir}", file=out)
+    if progress.any_bad() or runner.rc != 0:
+        return EXIT_FAILED
+    return EXIT_OK
