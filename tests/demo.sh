@@ -20,5 +20,5 @@ if ansible-playbook recover.yml >/tmp/hsx-demo-recover.log 2>&1; then rc=0; else
 report=$(ls -d reports/*/ | sort | tail -1)
 cat "$report/summary.md"
 echo "== crash to 'extraction making progress': $(( $(date +%s) - crash ))s (whole demo $(( $(date +%s) - start ))s); play exit code $rc"
-echo "== full log: /tmp/hsx-demo-recover.log; the host is still up: '.venv/bin/python tests/lab/lab.py ssh hsxlab-1 CMD'; 'make lab-down' removes it"
+echo "== full log: /tmp/hsx-demo-recover.log; the host is still up: '.venv/bin/python tests/lab/lab.py ssh HOST CMD' (status lists them); 'make lab-down' removes it"
 exit $rc
