@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -49,12 +50,19 @@ def playbook(*args: str, env: dict[str, str] | None = None, timeout: int = 1200)
     return PlaybookRun(proc.returncode, proc.stdout + proc.stderr)
 
 
-def lab_push(host: str, local: Path, remote: str) -> None:
-    """Copy a local file or directory to a lab host (scp with the lab key)."""
-    spec = importlib.util.spec_from_file_location("hsx_lab_for_push", LAB)
+@functools.cache
+def _lab_module():
+    """tests/lab/lab.py as a module (its host records and SSH options), loaded once."""
+    spec = importlib.util.spec_from_file_location("hsx_lab_tool", LAB)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
+    return mod
+
+
+def lab_push(host: str, local: Path, remote: str) -> None:
+    """Copy a local file or directory to a lab host (scp with the lab key)."""
+    mod = _lab_module()
     h = mod.load_host(host)
     ssh = mod.ssh_base(h)
     subprocess.run([*ssh, f"mkdir -p {remote}"], check=True, capture_output=True)
@@ -65,10 +73,7 @@ def lab_push(host: str, local: Path, remote: str) -> None:
 
 def lab_fetch(host: str, remote_dir: str, local: Path, *members: str) -> None:
     """Copy members of a directory on a lab host into `local` (tar over ssh)."""
-    spec = importlib.util.spec_from_file_location("hsx_lab_for_fetch", LAB)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    mod = _lab_module()
     ssh = mod.ssh_base(mod.load_host(host))
     local.mkdir(parents=True, exist_ok=True)
     tar = subprocess.run([*ssh, f"tar -C {remote_dir} -cf - {' '.join(members)}"], capture_output=True, check=True)
