@@ -152,6 +152,7 @@ class _Work:
     samples: list[Sample]
     pending: set[str]
     results: list[SampleStates] = field(default_factory=list)
+    ready: Callable[[], Any] | None = None  # blocks until the results' tensors are on the host
 
 
 class Runner:
@@ -175,6 +176,21 @@ class Runner:
         self.failed_samples: set[str] = set()
         self.bar: Any = None
         self._errors_lock = threading.Lock()
+        self.producer: threading.Thread | None = None
+        self.batch_q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
+        # Where the time went (seconds; perf_counter stamps for the start/end marks). The model
+        # is ready at `ready_at`; `pipeline_end_at` is after the last shard is indexed.
+        self.timings: dict[str, float] = {
+            "model_load_s": 0.0,
+            "forward_wait_batch_s": 0.0,
+            "forward_s": 0.0,
+            "forward_wait_writer_s": 0.0,
+            "writer_wait_copy_s": 0.0,
+            "writer_publish_s": 0.0,
+            "drain_s": 0.0,
+            "ready_at": 0.0,
+            "pipeline_end_at": 0.0,
+        }
 
     # ------------------------------------------------------------------ set-up
 
@@ -286,12 +302,24 @@ class Runner:
                 return
             if self.pause is not None or self.abandon_event.is_set():
                 continue  # drained, not written: these samples stay pending
+            t0 = time.perf_counter()
+            if work.ready is not None:
+                try:
+                    work.ready()
+                except Exception as e:  # an asynchronous device error surfaces here
+                    for sample in work.samples:
+                        if sample.sample_id in work.pending:
+                            self._sample_failed(sample, f"copy to host failed: {type(e).__name__}: {e}")
+                    continue
+            t1 = time.perf_counter()
+            self.timings["writer_wait_copy_s"] += t1 - t0
             for sample, states in zip(work.samples, work.results, strict=True):
                 if sample.sample_id not in work.pending:
                     continue
                 if self.abandon_event.is_set() or self.pause is not None:
                     break
                 self._publish(sample, states)
+            self.timings["writer_publish_s"] += time.perf_counter() - t1
 
     def _publish(self, sample: Sample, states: SampleStates) -> None:
         n = int(sample.input_ids.numel())
@@ -350,21 +378,32 @@ class Runner:
 
     # ------------------------------------------------------------------ forward with retries
 
-    def _try_extract(self, batch: list[Sample]) -> tuple[list[SampleStates] | None, str, int]:
-        """Up to 1 + retries attempts with doubling backoff; (results, last error, attempts)."""
+    def _try_extract(
+        self, batch: list[Sample]
+    ) -> tuple[list[SampleStates] | None, Callable[[], Any] | None, str, int]:
+        """Up to 1 + retries attempts with doubling backoff; (results, ready, last error, attempts).
+
+        A backend with `extract_async` (hf) only queues the batch: `ready` then blocks until its
+        states are on the host, and the writer thread calls it, so this thread goes on at once."""
         reason = ""
+        extract_async = getattr(self.backend, "extract_async", None)
         for attempt in range(self.cfg.retries + 1):
             if attempt:
                 delay = self.cfg.retry_backoff * 2 ** (attempt - 1)
                 if self.stop_event.wait(delay):
-                    return None, reason or "stopped", attempt
+                    return None, None, reason or "stopped", attempt
             try:
-                results = self.backend.extract(batch)
+                ready = None
+                if extract_async is not None:
+                    handle = extract_async(batch)
+                    results, ready = handle.results, handle.wait
+                else:
+                    results = self.backend.extract(batch)
                 self._check_results(batch, results)
-                return results, "", attempt + 1
+                return results, ready, "", attempt + 1
             except Exception as e:  # any backend failure is retried; the reason goes to errors.jsonl
                 reason = f"{type(e).__name__}: {e}"
-        return None, reason, self.cfg.retries + 1
+        return None, None, reason, self.cfg.retries + 1
 
     @staticmethod
     def _check_results(batch: list[Sample], results: list[SampleStates]) -> None:
@@ -377,10 +416,10 @@ class Runner:
                 raise RuntimeError(f"{s.sample_id!r}: backend saw other input_ids than were sent")
 
     def _forward(self, work: _Work) -> _Work | None:
-        results, reason, attempts = self._try_extract(work.samples)
+        results, ready, reason, attempts = self._try_extract(work.samples)
         if results is not None:
             self.consecutive_errors = 0
-            work.results = results
+            work.results, work.ready = results, ready
             return work
         if self.stop_event.is_set() and self.abort is None and self.pause is None:
             return None  # interrupted while backing off
@@ -398,7 +437,12 @@ class Runner:
                 continue
             if self.stop_event.is_set():
                 break
-            res, why, n = self._try_extract([s])
+            res, ready, why, n = self._try_extract([s])
+            if res is not None and ready is not None:
+                try:
+                    ready()
+                except Exception as e:
+                    res, why = None, f"copy to host failed: {type(e).__name__}: {e}"
             if res is None:
                 if not self.stop_event.is_set() or self.abort:
                     self._sample_failed(s, why, n)
@@ -503,13 +547,19 @@ class Runner:
         self.reporter.set_state("starting", "loading the model")
         self.reporter.write()
         status_thread = None
+        # Tokenize the first batches while the model loads: the first planning window must be
+        # tokenized whole before its first batch exists.
+        self._start_producer()
         try:
+            t0 = time.perf_counter()
             try:
                 self.backend = self.backend_factory(cfg, self.layer_ids)
             except Exception as e:
                 self.reporter.set_state("failed", f"cannot start the {cfg.backend} backend: {e}")
                 self.log(f"cannot start the {cfg.backend} backend: {e}")
                 return EXIT_FAILED
+            self.timings["ready_at"] = time.perf_counter()
+            self.timings["model_load_s"] = self.timings["ready_at"] - t0
             self._check_backend()
             self.reporter.set_state("running")
             self.reporter.write()
@@ -522,6 +572,7 @@ class Runner:
             self.log(str(e))
             return e.code
         finally:
+            self._stop_producer()
             if status_thread is not None:
                 status_thread.stop()
             for sig, old in handlers.items():
@@ -570,46 +621,66 @@ class Runner:
             smoothing=0.1,
         )
 
-    def _pipeline(self) -> None:
+    def _start_producer(self) -> None:
         windows = plan_windows(self.assigned, self.cfg.batch_size)
-        batch_q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
-        write_q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
-        producer = threading.Thread(
+        self.producer = threading.Thread(
             target=self._produce,
-            args=(self.tokenizer, windows, self.done, batch_q),
+            args=(self.tokenizer, windows, self.done, self.batch_q),
             name="hsx-tokenize",
             daemon=True,
         )
+        self.producer.start()
+
+    def _stop_producer(self) -> None:
+        """Stop the tokenizer thread (it may wait on a full queue) and join it; idempotent."""
+        producer = self.producer
+        if producer is None:
+            return
+        self.stop_event.set()
+        while True:
+            try:
+                if self.batch_q.get_nowait() is None:
+                    break
+            except queue.Empty:
+                if not producer.is_alive():
+                    break
+                time.sleep(0.01)
+        producer.join(timeout=5)
+        self.producer = None
+
+    def _pipeline(self) -> None:
+        batch_q = self.batch_q
+        write_q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
         writer = threading.Thread(target=self._write, args=(write_q,), name="hsx-writer", daemon=True)
-        producer.start()
         writer.start()
+        tm = self.timings
         last_bar = 0.0
         try:
             while not self.stop_event.is_set():
+                t0 = time.perf_counter()
                 work = batch_q.get()
+                t1 = time.perf_counter()
+                tm["forward_wait_batch_s"] += t1 - t0
                 if work is None:
                     break
                 done = self._forward(work)
+                t2 = time.perf_counter()
+                tm["forward_s"] += t2 - t1
                 if done is not None:
                     write_q.put(done)
+                    tm["forward_wait_writer_s"] += time.perf_counter() - t2
                 if self.bar is not None and time.monotonic() - last_bar > 1:
                     last_bar = time.monotonic()
                     snap = self.reporter.snapshot_rates()
                     self.bar.set_postfix(tok_s=f"{snap[1]:.0f}", errors=self.reporter.errors, refresh=False)
         finally:
-            self.stop_event.set()
-            while True:  # unblock the tokenizer if it waits on a full queue
-                try:
-                    if batch_q.get_nowait() is None:
-                        break
-                except queue.Empty:
-                    if not producer.is_alive():
-                        break
-                    time.sleep(0.01)
+            t0 = time.perf_counter()
+            self._stop_producer()
             write_q.put(None)
             while writer.is_alive():
                 writer.join(timeout=0.5)
-            producer.join(timeout=5)
+            tm["pipeline_end_at"] = time.perf_counter()
+            tm["drain_s"] = tm["pipeline_end_at"] - t0
 
     def _finish(self) -> int:
         r = self.reporter

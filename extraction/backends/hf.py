@@ -1,8 +1,10 @@
 """In-process transformers backend: the real forward pass of a (small) target on CPU or CUDA.
 
 For the lab, tests and benchmarks. A batch is right-padded to its longest sample with an attention
-mask; each sample's states are sliced back to its own length and copied to the host, contiguous,
-so a shard never drags the batch's storage along (torch.save writes a view's whole storage).
+mask; each sample's states are sliced back to its own length. `extract` hands back host copies
+that own exactly their bytes (torch.save writes a view's whole storage); `extract_async`, which
+the runner uses, hands back views of one pinned host buffer per batch that fill while the next
+batch is queued, and leaves the per-sample copy to the shard writer's thread.
 """
 
 from __future__ import annotations
@@ -71,6 +73,21 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
+class PendingStates:
+    """A batch's results whose tensors may still be on their way to the host (see extract_async)."""
+
+    def __init__(self, results: list[SampleStates], event: torch.cuda.Event | None):
+        self.results = results
+        self._event = event
+
+    def wait(self) -> list[SampleStates]:
+        """Block until the tensors are on the host (releases the GIL while waiting)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self.results
+
+
 class HFBackend:
     """Batched forward with output_hidden_states; states are canonical-layer HF hidden_states."""
 
@@ -120,19 +137,23 @@ class HFBackend:
         )
 
     @torch.inference_mode()
-    def extract(self, samples: list[Sample]) -> list[SampleStates]:
-        if not samples:
-            return []
+    def forward_states(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The forward pass alone: (final [B, W, H], aux [B, W, k*H], lengths), on the device.
+
+        Right-padded to the longest sample. On CUDA the inputs go up through pinned memory without
+        blocking, so the host can queue this batch while the GPU still runs the previous one.
+        """
         if self.layer_ids is None:
             raise RuntimeError("HFBackend: capture layers not set")
         lengths = [int(s.input_ids.numel()) for s in samples]
         width = max(lengths)
-        ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(samples), width), dtype=torch.long)
+        cuda = self.device.type == "cuda"
+        ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long, pin_memory=cuda)
+        mask = torch.zeros((len(samples), width), dtype=torch.long, pin_memory=cuda)
         for row, (s, n) in enumerate(zip(samples, lengths, strict=True)):
             ids[row, :n] = s.input_ids
             mask[row, :n] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = ids.to(self.device, non_blocking=cuda), mask.to(self.device, non_blocking=cuda)
         out = self.model(
             input_ids=ids,
             attention_mask=mask if min(lengths) < width else None,
@@ -140,19 +161,49 @@ class HFBackend:
             use_cache=False,
         )
         hs = out.hidden_states
-        final = hs[-1]
         aux = torch.cat([hs[i] for i in self.layer_ids], dim=-1)
-        final_cpu, aux_cpu = final.to("cpu"), aux.to("cpu")
-        results = []
-        for row, (s, n) in enumerate(zip(samples, lengths, strict=True)):
-            results.append(
-                SampleStates(
-                    sample_id=s.sample_id,
-                    input_ids=s.input_ids,
-                    hidden_state=final_cpu[row, :n].clone(),
-                    aux_hidden_state=aux_cpu[row, :n].clone(),
-                )
+        return hs[-1], aux, lengths
+
+    @torch.inference_mode()
+    def extract_async(self, samples: list[Sample]) -> PendingStates:
+        """Queue the forward and the copy to the host; the states are valid after `.wait()`.
+
+        On CUDA the batch's states land in pinned host memory by a non-blocking copy on the
+        compute stream, followed by an event: this thread returns at once and can queue the next
+        batch, and whoever writes the shards waits on the event. Each sample's states are views
+        of the batch buffer (the shard writer copies each into a tensor owning its bytes).
+        """
+        if not samples:
+            return PendingStates([], None)
+        final, aux, lengths = self.forward_states(samples)
+        event = None
+        if self.device.type == "cuda":
+            host_final = torch.empty(final.shape, dtype=final.dtype, pin_memory=True)
+            host_aux = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
+            host_final.copy_(final, non_blocking=True)
+            host_aux.copy_(aux, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            final, aux = host_final, host_aux
+        elif self.device.type != "cpu":
+            final, aux = final.to("cpu"), aux.to("cpu")
+        results = [
+            SampleStates(
+                sample_id=s.sample_id,
+                input_ids=s.input_ids,
+                hidden_state=final[row, :n],
+                aux_hidden_state=aux[row, :n],
             )
+            for row, (s, n) in enumerate(zip(samples, lengths, strict=True))
+        ]
+        return PendingStates(results, event)
+
+    def extract(self, samples: list[Sample]) -> list[SampleStates]:
+        """Synchronous: each sample's states on the host, contiguous, owning exactly their bytes."""
+        results = self.extract_async(samples).wait()
+        for r in results:
+            r.hidden_state = r.hidden_state.clone()
+            r.aux_hidden_state = r.aux_hidden_state.clone()
         return results
 
     def close(self) -> None:

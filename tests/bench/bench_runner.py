@@ -1,15 +1,23 @@
 """Runner overhead, side by side in one process (the machine is shared and noisy).
 
-  A  forward only: the hf backend over the runner's own batch plan (pre-tokenized), no disk
-  B  the runner: `hsx extract` in-process (tokenize thread + forward + background writer)
-  C  the peers' loop: forward, then torch.save each sample synchronously (no fsync, no index)
+  A  forward only: the hf backend's forward pass over the runner's own batch plan (pre-tokenized,
+     untimed), states left on the device, one synchronize at the end. No host copy, no disk.
+  A2 forward + host copy: `HFBackend.extract` (the same, plus a blocking copy of each batch's
+     states to the host and a per-sample copy): the baseline earlier figures used.
+  B  the runner: `hsx extract` in-process, loading the model itself as the CLI does. Timed from the
+     moment its model is loaded on the device to the moment its last shard is fsynced and indexed
+     (tokenizing, queueing, forward, copy to host, checks, torch.save, fsync, rename, index, status).
+     Its start-up (dataset scan, tokenizer, run.json, resume scan) and the model load are reported
+     apart: A excludes both as well (A gets its batches tokenized for free).
+  C  the peers' loop: forward, then torch.save each sample synchronously (no fsync, no index).
   R  resume start-up over --resume-shards existing shards (dataset scan + index + quick each)
 
-Rounds interleave A/B/C; the best round of each is reported with the ratios A/B and C/B.
+Rounds interleave A/A2/B/C in a rotating order; best and median of each are reported, with the
+ratios A/B (the target), A2/B and C/B, and the load average.
 
   python tests/bench/bench_runner.py                          # CPU, tiny model
   python tests/bench/bench_runner.py --device cuda --dtype bf16 --hidden 2048 --layers 16 \\
-      --samples 512 --batch-size 16 --max-length 1024          # GPU, a few hundred M params
+      --capture auto --samples 1024 --batch-size 16 --max-length 1024   # GPU, ~1.2B params
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -45,6 +54,14 @@ def sync(device: str) -> None:
 def forward_only(backend: HFBackend, batches, device: str) -> float:
     t = time.perf_counter()
     for b in batches:
+        backend.forward_states(b)
+    sync(device)
+    return time.perf_counter() - t
+
+
+def forward_copy(backend: HFBackend, batches, device: str) -> float:
+    t = time.perf_counter()
+    for b in batches:
         backend.extract(b)
     sync(device)
     return time.perf_counter() - t
@@ -69,32 +86,44 @@ def sync_save_loop(backend: HFBackend, batches, out: Path, device: str) -> float
     return time.perf_counter() - t
 
 
-def runner_run(cfg_kw: dict, backend: HFBackend, out: Path) -> tuple[float, float]:
-    """(wall of run(), seconds spent in the pipeline after start-up)."""
-    cfg = build_config({**cfg_kw, "output": str(out)})
-    r = Runner(cfg, backend_factory=lambda _c, _l: _Keep(backend), log=lambda _m: None)
+def runner_run(cfg_kw: dict, out: Path, **extra) -> tuple[float, float, dict]:
+    """(model-ready -> last shard indexed, whole run() wall, the runner's timings)."""
+    cfg = build_config({**cfg_kw, **extra, "output": str(out)})
+    r = Runner(cfg, log=lambda _m: None)  # the real backend factory: loads the model itself
     t = time.perf_counter()
     code = r.run()
     wall = time.perf_counter() - t
     if code != 0:
         raise SystemExit(f"runner exited {code}")
-    return wall, wall - r.resume_seconds
+    tm = dict(r.timings)
+    tm["prepare_s"] = tm["ready_at"] - t - tm["model_load_s"]
+    return tm["pipeline_end_at"] - tm["ready_at"], wall, tm
 
 
-class _Keep:
-    """Reuse one loaded backend; the runner's close() must not unload it."""
-
-    def __init__(self, inner: HFBackend):
-        self.inner, self.name = inner, "hf"
-
-    def model_info(self):
-        return self.inner.model_info()
-
-    def extract(self, samples):
-        return self.inner.extract(samples)
-
-    def close(self) -> None:
+def disk_info(path: Path, mib: int = 256) -> str:
+    """Filesystem type and write+fsync bandwidth where the shards go: the writer's ceiling."""
+    fstype = "?"
+    try:
+        best = ""
+        real = os.path.realpath(path)
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if real.startswith(parts[1]) and len(parts[1]) >= len(best):
+                    best, fstype = parts[1], parts[2]
+    except OSError:
         pass
+    f = path / "ddtest"
+    block = os.urandom(1 << 20)
+    t = time.perf_counter()
+    with open(f, "wb") as fh:
+        for _ in range(mib):
+            fh.write(block)
+        fh.flush()
+        os.fsync(fh.fileno())
+    dt = time.perf_counter() - t
+    f.unlink()
+    return f"{fstype}, write+fsync {mib / dt:.0f} MiB/s"
 
 
 def resume_startup(model_dir: Path, work: Path, n: int, layers: str) -> dict:
@@ -208,27 +237,52 @@ def main() -> int:
         print(
             f"work: {args.samples} samples, {tokens} tokens, {len(batches)} batches of <= {args.batch_size}"
         )
+        print(f"disk under {work}: {disk_info(work)}; load average {os.getloadavg()[0]:.1f}")
         forward_only(backend, batches[:2], args.device)  # warm-up
-        best = {"A": 1e9, "B": 1e9, "Bp": 1e9, "C": 1e9}
+        forward_copy(backend, batches[:2], args.device)
+        runner_run(cfg_kw, work / "warm", limit=2 * args.batch_size)
+        shutil.rmtree(work / "warm")
+        sides = {"A": [], "A2": [], "B": [], "Bwall": [], "C": []}
+        timings = []
+        order = ["A", "A2", "B", "C"]
         for rnd in range(args.rounds):
-            a = forward_only(backend, batches, args.device)
-            b, bp = runner_run(cfg_kw, backend, work / f"run{rnd}")
-            c = sync_save_loop(backend, batches, work / f"sync{rnd}", args.device)
-            shutil.rmtree(work / f"run{rnd}")
-            shutil.rmtree(work / f"sync{rnd}")
-            print(f"round {rnd}: forward-only {a:.2f}s  runner {b:.2f}s  sync-save loop {c:.2f}s")
-            best = {
-                "A": min(best["A"], a),
-                "B": min(best["B"], b),
-                "Bp": min(best["Bp"], bp),
-                "C": min(best["C"], c),
-            }
+            load = os.getloadavg()[0]
+            got = {}
+            for side in order[rnd % 4 :] + order[: rnd % 4]:
+                if side == "A":
+                    got["A"] = forward_only(backend, batches, args.device)
+                elif side == "A2":
+                    got["A2"] = forward_copy(backend, batches, args.device)
+                elif side == "B":
+                    got["B"], got["Bwall"], tm = runner_run(cfg_kw, work / f"run{rnd}")
+                    timings.append(tm)
+                    shutil.rmtree(work / f"run{rnd}")
+                else:
+                    got["C"] = sync_save_loop(backend, batches, work / f"sync{rnd}", args.device)
+                    shutil.rmtree(work / f"sync{rnd}")
+            for k, v in got.items():
+                sides[k].append(v)
+            tm = timings[-1]
+            print(
+                f"round {rnd} (load {load:.1f}): forward-only {got['A']:.2f}s  forward+copy {got['A2']:.2f}s  "
+                f"runner {got['B']:.2f}s (whole run() {got['Bwall']:.2f}s: prepare {tm['prepare_s']:.2f}s, "
+                f"model load {tm['model_load_s']:.2f}s)  sync-save loop {got['C']:.2f}s"
+            )
+            print("  runner: " + ", ".join(f"{k} {v:.2f}" for k, v in tm.items() if k.endswith("_s")))
+        best = {k: min(v) for k, v in sides.items()}
+        med = {k: statistics.median(v) for k, v in sides.items()}
+        for name, d in (("best", best), ("median", med)):
+            print(
+                f"{name}: forward-only {d['A']:.2f}s, forward+copy {d['A2']:.2f}s, runner {d['B']:.2f}s "
+                f"(whole run() {d['Bwall']:.2f}s), sync-save {d['C']:.2f}s"
+            )
+            print(
+                f"  runner vs forward-only {d['A'] / d['B']:.3f}x (target >= 0.95x), "
+                f"vs forward+copy {d['A2'] / d['B']:.3f}x, vs sync forward-then-torch.save {d['C'] / d['B']:.3f}x"
+            )
         print(
-            f"best: forward-only {best['A']:.2f}s, runner {best['B']:.2f}s (incl. start-up), sync-save {best['C']:.2f}s"
+            f"runner samples/s {args.samples / best['B']:.1f}, tokens/s {tokens / best['B']:.0f} (best round)"
         )
-        print(f"runner throughput vs forward-only: {best['A'] / best['B']:.3f}x  (target >= 0.95x)")
-        print(f"runner throughput vs sync forward-then-torch.save: {best['C'] / best['B']:.3f}x")
-        print(f"runner samples/s {args.samples / best['B']:.1f}, tokens/s {tokens / best['B']:.0f}")
         if args.resume_shards:
             res = resume_startup(model_dir, work, args.resume_shards, args.capture)
             print(
