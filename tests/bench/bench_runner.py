@@ -37,6 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from extraction import runner as runner_mod  # noqa: E402
 from extraction.backends.hf import HFBackend  # noqa: E402
 from extraction.config import build_config  # noqa: E402
 from extraction.dataset import ChatTokenizer, load_tokenizer, scan_dataset  # noqa: E402
@@ -199,6 +200,9 @@ def main() -> int:
     ap.add_argument("--resume-shards", type=int, default=37312, help="0 to skip the resume start-up test")
     ap.add_argument("--workdir", default=None, help="where to write (default: a temp dir, removed)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument(
+        "--writer-threads", default="0", help="runner writer threads, comma list of variants (0: auto)"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -242,47 +246,53 @@ def main() -> int:
         forward_copy(backend, batches[:2], args.device)
         runner_run(cfg_kw, work / "warm", limit=2 * args.batch_size)
         shutil.rmtree(work / "warm")
-        sides = {"A": [], "A2": [], "B": [], "Bwall": [], "C": []}
-        timings = []
-        order = ["A", "A2", "B", "C"]
+        variants = [int(x) for x in args.writer_threads.split(",")]
+        bkeys = [f"B{w}" for w in variants]
+        sides: dict[str, list[float]] = {k: [] for k in ["A", "A2", *bkeys, "C"]}
+        walls: dict[str, list[float]] = {k: [] for k in bkeys}
+        order = list(sides)
         for rnd in range(args.rounds):
             load = os.getloadavg()[0]
-            got = {}
-            for side in order[rnd % 4 :] + order[: rnd % 4]:
+            got: dict[str, float] = {}
+            line = []
+            for side in order[rnd % len(order) :] + order[: rnd % len(order)]:
                 if side == "A":
-                    got["A"] = forward_only(backend, batches, args.device)
+                    got[side] = forward_only(backend, batches, args.device)
                 elif side == "A2":
-                    got["A2"] = forward_copy(backend, batches, args.device)
-                elif side == "B":
-                    got["B"], got["Bwall"], tm = runner_run(cfg_kw, work / f"run{rnd}")
-                    timings.append(tm)
-                    shutil.rmtree(work / f"run{rnd}")
-                else:
-                    got["C"] = sync_save_loop(backend, batches, work / f"sync{rnd}", args.device)
+                    got[side] = forward_copy(backend, batches, args.device)
+                elif side == "C":
+                    got[side] = sync_save_loop(backend, batches, work / f"sync{rnd}", args.device)
                     shutil.rmtree(work / f"sync{rnd}")
+                else:
+                    runner_mod.WRITER_THREADS = int(side[1:])
+                    got[side], wall, tm = runner_run(cfg_kw, work / f"run{rnd}")
+                    walls[side].append(wall)
+                    shutil.rmtree(work / f"run{rnd}")
+                    line.append(
+                        f"  runner, {side[1:]} writer thread(s): {got[side]:.2f}s; whole run() {wall:.2f}s; "
+                        + ", ".join(f"{k} {v:.2f}" for k, v in tm.items() if k.endswith("_s"))
+                    )
             for k, v in got.items():
                 sides[k].append(v)
-            tm = timings[-1]
             print(
                 f"round {rnd} (load {load:.1f}): forward-only {got['A']:.2f}s  forward+copy {got['A2']:.2f}s  "
-                f"runner {got['B']:.2f}s (whole run() {got['Bwall']:.2f}s: prepare {tm['prepare_s']:.2f}s, "
-                f"model load {tm['model_load_s']:.2f}s)  sync-save loop {got['C']:.2f}s"
+                + "  ".join(f"runner/{k[1:]}w {got[k]:.2f}s" for k in bkeys)
+                + f"  sync-save loop {got['C']:.2f}s"
             )
-            print("  runner: " + ", ".join(f"{k} {v:.2f}" for k, v in tm.items() if k.endswith("_s")))
-        best = {k: min(v) for k, v in sides.items()}
-        med = {k: statistics.median(v) for k, v in sides.items()}
-        for name, d in (("best", best), ("median", med)):
+            print("\n".join(line))
+        for name, agg in (("best", min), ("median", statistics.median)):
+            d = {k: agg(v) for k, v in sides.items()}
             print(
-                f"{name}: forward-only {d['A']:.2f}s, forward+copy {d['A2']:.2f}s, runner {d['B']:.2f}s "
-                f"(whole run() {d['Bwall']:.2f}s), sync-save {d['C']:.2f}s"
+                f"{name}: forward-only {d['A']:.2f}s, forward+copy {d['A2']:.2f}s, sync-save {d['C']:.2f}s, "
+                + ", ".join(f"runner/{k[1:]}w {d[k]:.2f}s (whole run() {agg(walls[k]):.2f}s)" for k in bkeys)
             )
-            print(
-                f"  runner vs forward-only {d['A'] / d['B']:.3f}x (target >= 0.95x), "
-                f"vs forward+copy {d['A2'] / d['B']:.3f}x, vs sync forward-then-torch.save {d['C'] / d['B']:.3f}x"
-            )
-        print(
-            f"runner samples/s {args.samples / best['B']:.1f}, tokens/s {tokens / best['B']:.0f} (best round)"
-        )
+            for k in bkeys:
+                print(
+                    f"  runner/{k[1:]}w vs forward-only {d['A'] / d[k]:.3f}x (target >= 0.95x), "
+                    f"vs forward+copy {d['A2'] / d[k]:.3f}x, vs sync forward-then-torch.save {d['C'] / d[k]:.3f}x"
+                )
+        b = min(min(sides[k]) for k in bkeys)
+        print(f"runner samples/s {args.samples / b:.1f}, tokens/s {tokens / b:.0f} (best round)")
         if args.resume_shards:
             res = resume_startup(model_dir, work, args.resume_shards, args.capture)
             print(
