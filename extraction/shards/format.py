@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib
 import json
+import operator
 import os
 import re
 import stat
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable
@@ -119,7 +122,7 @@ def is_shard_name(name: str) -> bool:
 
 
 # --- index ----------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class IndexEntry:
     """One completed sample: where its shard is (relative to the output root) and what it holds."""
 
@@ -157,17 +160,28 @@ def decode_index_line(line: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+def _line_body(line: bytes) -> bytes | None:
+    """The JSON body of an index line whose CRC checks out (decode_index_line's test), else None."""
+    body, sep, crc = line[:-1].rpartition(b"\t")
+    if not (line.endswith(b"\n") and sep and len(crc) == 8):
+        return None
+    try:
+        return body if zlib.crc32(body) & 0xFFFFFFFF == int(crc, 16) else None
+    except ValueError:
+        return None
+
+
 def _decode_index_lines(lines: list[bytes]) -> list[dict[str, Any] | None]:
-    """decode_index_line for many lines: CRCs per line, then one JSON parse for all of them."""
-    bodies: list[bytes | None] = []
-    for line in lines:
-        body, sep, crc = line[:-1].rpartition(b"\t")
-        ok = line.endswith(b"\n") and sep and len(crc) == 8
-        try:
-            ok = ok and zlib.crc32(body) & 0xFFFFFFFF == int(crc, 16)
-        except ValueError:
-            ok = False
-        bodies.append(body if ok else None)
+    """decode_index_line for many lines: CRCs per line, then one JSON parse for all of them.
+
+    Lines exactly as encode_index_line writes them (body, tab, 8 lowercase hex, newline) are
+    checked with one comparison; any other line goes through decode_index_line's own test.
+    """
+    crc32 = zlib.crc32
+    bodies: list[bytes | None] = [line[:-10] for line in lines]
+    for i, (line, body) in enumerate(zip(lines, bodies, strict=True)):
+        if line[-10:] != b"\t%08x\n" % crc32(body):
+            bodies[i] = _line_body(line)
     good = [b for b in bodies if b is not None]
     try:
         parsed = iter(json.loads(b"[" + b",".join(good) + b"]"))
@@ -217,11 +231,11 @@ def read_index(output_dir: str) -> IndexState:
             continue
         try:
             state.entries[sample_id] = IndexEntry(
-                sample_id=sample_id,
-                path=str(record["path"]),
-                size=int(record["size"]),
-                checksum=str(record["checksum"]),
-                num_tokens=int(record["num_tokens"]),
+                sample_id,
+                str(record["path"]),
+                int(record["size"]),
+                str(record["checksum"]),
+                int(record["num_tokens"]),
             )
         except (KeyError, TypeError, ValueError):
             state.bad_lines += 1
@@ -386,9 +400,11 @@ class ZipRecord:
 class _Reader:
     """Positional reads on an open file; small files are read once and served from memory."""
 
-    def __init__(self, fd: int, size: int):
+    def __init__(self, fd: int, size: int, whole: bytes | None = None):
         self.fd, self.size = fd, size
-        self.whole = os.pread(fd, size, 0) if size <= _SMALL_FILE else None
+        if whole is None and size <= _SMALL_FILE:
+            whole = os.pread(fd, size, 0)
+        self.whole = whole
         if self.whole is not None and len(self.whole) != size:
             raise ShardBad(f"file changed while reading ({len(self.whole)} of {size} bytes)")
 
@@ -800,64 +816,83 @@ class ShardIOError(Exception):
     """The shard could not be read (permissions, I/O error): not evidence of bad data."""
 
 
-def inspect_shard(fd: int, expect: Expect, size: int | None = None) -> ShardInfo:
-    """The `quick` level on an open file: zip structure + pickled metadata, nothing executed."""
+def inspect_shard(fd: int, expect: Expect, size: int | None = None, data: bytes | None = None) -> ShardInfo:
+    """The `quick` level on an open file: zip structure + pickled metadata, nothing executed.
+
+    `data`, when given, is the whole file as already read from `fd` (len(data) == size).
+    """
     if size is None:
         size = os.fstat(fd).st_size
     if size == 0:
         raise ShardBad("empty file")
-    reader = _Reader(fd, size)
+    reader = _Reader(fd, size, data)
     if reader.whole is None:
         return _inspect(reader, expect)
-    key = (size, expect.hidden_size, expect.num_aux, expect.dtype)
-    for layout in _LAYOUTS.get(key, ()):
-        info = layout.match(reader.whole)
-        if info is not None:
-            return info
+    layout = _match_layout(reader.whole, expect)
+    if layout is not None:
+        return layout.info_for(reader.whole)
     info = _inspect(reader, expect)
+    key = (size, expect.hidden_size, expect.num_aux, expect.dtype)
     layouts = _LAYOUTS.setdefault(key, [])
     if len(layouts) < 4:
-        if sum(len(v) for v in _LAYOUTS.values()) >= 4096:
+        if len(_LAYOUTS) >= 1024:
             _LAYOUTS.clear()
             layouts = _LAYOUTS.setdefault(key, [])
         layouts.append(_Layout(info))
     return info
 
 
-class _Layout:
-    """Every byte `_inspect` reads from a small shard, except the CRC fields.
+def _match_layout(data: bytes, expect: Expect) -> _Layout | None:
+    """The remembered layout whose structural bytes `data` repeats exactly, if any."""
+    for layout in _LAYOUTS.get((len(data), expect.hidden_size, expect.num_aux, expect.dtype), ()):
+        if layout.get(data) == layout.fingerprint:
+            return layout
+    return None
 
-    Shards of one run that have the same length are byte-identical outside their tensor data
-    and CRC fields (torch.save writes the same headers, names, padding and pickle). A file
-    whose structural bytes equal those of a file that passed is, by determinism, a file that
-    passes with the same records and tensors: comparing the bytes replaces re-parsing them.
-    The compared regions are: each local header with its name and extra field, the data.pkl
-    and byteorder records, and everything from the central directory to the end of the file
-    except the records' CRC fields (`full` reads those from each file: ShardInfo.crc_of).
+
+def _varies(name: str) -> bool:
+    """Records whose bytes differ between shards of one layout: tensor storages, the save's id."""
+    return "/data/" in name or name.endswith("/.data/serialization_id")
+
+
+class _Layout:
+    """Every byte of a small shard except those that legitimately vary between shards.
+
+    Shards of one run that have the same length are byte-identical outside their tensor data,
+    the per-save serialization id and the CRCs of those (torch.save writes the same headers,
+    names, padding and pickle). A file whose other bytes all equal those of a file that passed
+    is, by determinism, a file that passes with the same records and tensors: comparing the
+    bytes replaces re-parsing them. Compared: everything from offset 0 to the end of the file
+    except, for each varying record, its data up to the next local header (the data and its
+    data descriptor) and its CRC field in the central directory (`full` reads those from each
+    file: ShardInfo.crc_of). So every byte `_inspect` reads - end records, central directory,
+    local headers, data.pkl, byteorder - is compared.
     """
 
-    __slots__ = ("regions", "fingerprint", "info")
+    __slots__ = ("get", "fingerprint", "info")
 
     def __init__(self, info: ShardInfo):
         assert info.data is not None
-        by_leaf = {r.name.rsplit("/", 1)[-1]: r for r in info.records}
-        regions = [(r.header_offset, r.data_offset) for r in info.records]
-        for leaf in ("data.pkl", "byteorder"):
-            if leaf in by_leaf:
-                rec = by_leaf[leaf]
-                regions.append((rec.data_offset, rec.data_offset + rec.size))
-        cursor = info.cd_offset
-        for crc_at in sorted(r.crc_at for r in info.records):
-            regions.append((cursor, crc_at))
-            cursor = crc_at + 4
-        regions.append((cursor, info.size))
-        self.regions = regions
+        recs = sorted(info.records, key=lambda r: r.header_offset)
+        skip = []
+        for i, r in enumerate(recs):
+            if _varies(r.name):
+                skip.append(
+                    (r.data_offset, recs[i + 1].header_offset if i + 1 < len(recs) else info.cd_offset)
+                )
+                skip.append((r.crc_at, r.crc_at + 4))
+        regions, cursor = [], 0
+        for a, b in sorted(skip):
+            if a > cursor:
+                regions.append(slice(cursor, a))
+            cursor = max(cursor, b)
+        regions.append(slice(cursor, info.size))
+        # One C call slices every region: (data[r0], data[r1], ...) compared as a tuple.
+        self.get = operator.itemgetter(*regions, slice(0, 0))
         self.info = info
-        self.fingerprint = b"".join([info.data[a:b] for a, b in regions])
+        self.fingerprint = self.get(info.data)
 
-    def match(self, data: bytes) -> ShardInfo | None:
-        if b"".join([data[a:b] for a, b in self.regions]) != self.fingerprint:
-            return None
+    def info_for(self, data: bytes) -> ShardInfo:
         base = self.info
         return ShardInfo(base.size, base.num_tokens, base.records, base.cd_offset, base.tensors, data)
 
@@ -951,8 +986,60 @@ def _check_tensor_bounds(key: str, t: TensorMeta, by_name: dict[str, ZipRecord],
             raise ShardBad(f"{key}: view reaches element {last} of a {s.numel}-element storage")
 
 
-_CHUNK = 8 << 20
-_DIRECT_CRC_MAX = 16 << 20
+_CHUNK = 1 << 20  # CRC pass reads: a reused 1 MiB buffer stays in the core's cache between read and CRC
+_DIRECT_CRC_MAX = 64 << 10  # up to this size a second CRC pass is cheaper than combining per region
+
+
+def _crc_agrees(crc32: Callable[..., int], combine: Callable[[int, int, int], int] | None) -> bool:
+    """A candidate CRC32 gives zlib's answers (values, start values, memoryviews, combine)."""
+    samples = [b"", b"\x00", bytes(range(256)) * 41 + b"abc", bytes(70_001)]
+    try:
+        for i, data in enumerate(samples):
+            for start in (0, 0x9E3779B9 >> i):
+                if crc32(memoryview(data), start) != zlib.crc32(data, start):
+                    return False
+        if combine is not None:
+            a, b = samples[2], samples[3]
+            if combine(zlib.crc32(a), zlib.crc32(b), len(b)) != zlib.crc32(a + b):
+                return False
+    except Exception:  # an unusable library is no library
+        return False
+    return True
+
+
+def _crc_backend(choice: str | None = None) -> tuple[str, Callable[..., int], Callable[..., int] | None]:
+    """(name, crc32, crc32_combine or None): zlib, or a faster drop-in when one is installed.
+
+    `full` is bound by CRC32 speed. zlib's runs at ~1.7-2 GB/s per core; ISA-L (`pip install
+    isal`) and zlib-ng (`pip install zlib-ng`) use carry-less multiplication and run ~2.5-3x
+    faster. Both are optional: a library is used only after it reproduces zlib's results here,
+    so a host without them (or with a broken build) verifies with zlib, which is always correct.
+    HSX_CRC32=zlib|isal|zlib-ng|auto picks one (default auto: the first that works).
+    """
+    choice = (choice or os.environ.get("HSX_CRC32") or "auto").lower()
+    candidates = [("isal", "isal.isal_zlib"), ("zlib-ng", "zlib_ng.zlib_ng")]
+    for name, module in candidates:
+        if choice not in ("auto", name):
+            continue
+        try:
+            lib = importlib.import_module(module)
+        except Exception:  # absent or unloadable on this host
+            continue
+        crc32, combine = getattr(lib, "crc32", None), getattr(lib, "crc32_combine", None)
+        if callable(crc32) and _crc_agrees(crc32, combine if callable(combine) else None):
+            return name, crc32, combine if callable(combine) else None
+    return "zlib", zlib.crc32, None
+
+
+CRC32_BACKEND, _crc32, _crc32_combine_lib = _crc_backend()
+_tls = threading.local()  # one reusable read buffer per thread for crc_check
+
+
+def use_crc_backend(choice: str) -> str:
+    """Switch the CRC32 implementation (tests, benchmarks); returns the name now in use."""
+    global CRC32_BACKEND, _crc32, _crc32_combine_lib
+    CRC32_BACKEND, _crc32, _crc32_combine_lib = _crc_backend(choice)
+    return CRC32_BACKEND
 
 
 def crc_check(fd: int, info: ShardInfo, buf: bytearray | None = None) -> int:
@@ -961,12 +1048,18 @@ def crc_check(fd: int, info: ShardInfo, buf: bytearray | None = None) -> int:
     Returns the whole file's CRC32, built from the same pass with crc32_combine so each byte
     is checksummed once (the index stores the whole-file CRC).
     """
+    crc32 = _crc32
+    combine = _crc32_combine_lib or crc32_combine
     if info.data is not None:  # small file, already in memory from the structure check
         view = memoryview(info.data)
         chunk = len(info.data)
     else:
         chunk = min(_CHUNK, info.size)
-        view = memoryview(buf if buf is not None and len(buf) >= chunk else bytearray(chunk))
+        if buf is None or len(buf) < chunk:
+            buf = getattr(_tls, "buf", None)
+            if buf is None or len(buf) < chunk:
+                buf = _tls.buf = bytearray(max(chunk, _CHUNK))
+        view = memoryview(buf)
     # Regions in file order: (start, end, record or None for the bytes between records).
     regions: list[tuple[int, int, ZipRecord | None]] = []
     cursor = 0
@@ -990,17 +1083,17 @@ def crc_check(fd: int, info: ShardInfo, buf: bytearray | None = None) -> int:
             raise ShardBad(f"file shrank while reading (at byte {pos} of {info.size})")
         chunk_start, chunk_end = pos, pos + n
         if direct:
-            whole = zlib.crc32(view[:n], whole)
+            whole = crc32(view[:n], whole)
         while ri < len(regions) and regions[ri][0] < chunk_end:
             start, end, rec = regions[ri]
             a, b = max(start, chunk_start), min(end, chunk_end)
-            region_crc = zlib.crc32(view[a - chunk_start : b - chunk_start], region_crc)
+            region_crc = crc32(view[a - chunk_start : b - chunk_start], region_crc)
             if end > chunk_end:
                 break
             if rec is not None and region_crc != info.crc_of(rec):
                 raise ShardBad(f"record {rec.name!r}: CRC32 mismatch (data damaged)")
             if not direct:
-                whole = crc32_combine(whole, region_crc, end - start)
+                whole = combine(whole, region_crc, end - start)
             region_crc = 0
             ri += 1
         pos = chunk_end
@@ -1032,18 +1125,24 @@ def _x2n_table() -> list[int]:
 
 
 _X2N = _x2n_table()
+_SHIFT_OPS: dict[int, int] = {}  # len2 -> x^(8*len2) mod P: records of a run repeat their lengths
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC32 of A+B from crc32(A), crc32(B) and len(B)."""
     if len2 <= 0:
         return crc1
-    p, k, n = 1 << 31, 3, len2  # x^0; len2 bytes = len2 * 2^3 bits
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
+    p = _SHIFT_OPS.get(len2)
+    if p is None:
+        p, k, n = 1 << 31, 3, len2  # x^0; len2 bytes = len2 * 2^3 bits
+        while n:
+            if n & 1:
+                p = _multmodp(_X2N[k & 31], p)
+            n >>= 1
+            k += 1
+        if len(_SHIFT_OPS) >= 4096:
+            _SHIFT_OPS.clear()
+        _SHIFT_OPS[len2] = p
     return _multmodp(p, crc1) ^ crc2
 
 
@@ -1060,7 +1159,7 @@ def check_shard(
     `deep_check` (torch-based, outside this file) returns a reason or None.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         raise ShardBad("file disappeared during verification") from None
     except OSError as e:
@@ -1071,14 +1170,21 @@ def check_shard(
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ShardBad("not a regular file")
+        size = st.st_size
         try:
-            info = inspect_shard(fd, expect, st.st_size)
+            data = None
+            if 0 < size <= _SMALL_FILE:  # one read serves the whole structure check
+                data = os.pread(fd, size, 0)
+                if len(data) != size:
+                    raise ShardBad(f"file changed while reading ({len(data)} of {size} bytes)")
+                if level == "quick":  # the hot path: a known layout needs no ShardInfo
+                    layout = _match_layout(data, expect)
+                    if layout is not None:
+                        _check_entry(entry, size, layout.info.num_tokens)
+                        return size, layout.info.num_tokens
+            info = inspect_shard(fd, expect, size, data)
             read = info.size if info.size <= _SMALL_FILE else 0
-            if entry is not None:
-                if info.size != entry.size:
-                    raise ShardBad(f"size {info.size} differs from the index ({entry.size})")
-                if info.num_tokens != entry.num_tokens:
-                    raise ShardBad(f"{info.num_tokens} tokens, the index says {entry.num_tokens}")
+            _check_entry(entry, info.size, info.num_tokens)
             if level in ("full", "deep"):
                 whole = crc_check(fd, info)
                 read = info.size
@@ -1095,6 +1201,18 @@ def check_shard(
         return read, info.num_tokens
     finally:
         os.close(fd)
+
+
+def _check_entry(entry: IndexEntry | None, size: int, num_tokens: int) -> None:
+    if entry is not None:
+        if size != entry.size:
+            raise ShardBad(f"size {size} differs from the index ({entry.size})")
+        if num_tokens != entry.num_tokens:
+            raise ShardBad(f"{num_tokens} tokens, the index says {entry.num_tokens}")
+
+
+_FORK_MIN_QUICK = 1000  # below this many files a `quick` run is faster than forking workers
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 # --- verification: a whole output directory -------------------------------------------------
@@ -1151,17 +1269,41 @@ _INDEX_PATH = re.compile(rf"^{SHARDS_DIR}/[0-9a-f]{{{BUCKET_HEX_CHARS}}}/[^/]+\.
 
 def scan_shards(output_dir: str) -> list[str]:
     """Relative paths of every `.pt` entry in shards/<bucket>/ (regular files or not)."""
-    found = []
+    return _scan(output_dir, orphans=None)
+
+
+def _scan(output_dir: str, orphans: list[str] | None) -> list[str]:
+    """scan_shards, also collecting find_orphan_temps' list into `orphans` in the same pass."""
+    found: list[str] = []
+    if orphans is not None:
+        with os.scandir(output_dir) as it:
+            orphans.extend(e.name for e in it if is_temp_name(e.name) and e.is_file(follow_symlinks=False))
     root = os.path.join(output_dir, SHARDS_DIR)
     try:
         with os.scandir(root) as it:
-            buckets = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+            entries = list(it)
     except FileNotFoundError:
         return found
+    buckets = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+    if orphans is not None:
+        orphans.extend(
+            f"{SHARDS_DIR}/{e.name}"
+            for e in entries
+            if is_temp_name(e.name) and e.is_file(follow_symlinks=False)
+        )
+    suffix, temp = SHARD_SUFFIX, TEMP_PREFIX
     for b in buckets:
+        prefix = f"{SHARDS_DIR}/{b}/"
         with os.scandir(os.path.join(root, b)) as it:
-            found.extend(f"{SHARDS_DIR}/{b}/{e.name}" for e in it if is_shard_name(e.name))
+            for e in it:
+                name = e.name
+                if name.endswith(suffix) and not name.startswith(temp):
+                    found.append(prefix + name)
+                elif orphans is not None and is_temp_name(name) and e.is_file(follow_symlinks=False):
+                    orphans.append(prefix + name)
     found.sort()
+    if orphans is not None:
+        orphans.sort()
     return found
 
 
@@ -1171,18 +1313,69 @@ def _check_batch(
     level: str,
     expect: Expect,
     deep_check: Callable[[str, Expect, ShardInfo], str | None] | None,
-) -> list[tuple[str, str, str, int]]:
-    """Worker body: (relpath, 'ok'|'bad'|'error', reason, bytes) per job."""
-    out = []
+) -> tuple[int, int, int, list[tuple[str, str, str]]]:
+    """Worker body: (files checked, files ok, bytes read, [(relpath, 'bad'|'error', reason)])."""
+    ok = nbytes = 0
+    problems = []
+    root = output_dir.rstrip("/") + "/" if output_dir else ""
     for rel, entry in jobs:
         try:
-            nbytes, _ = check_shard(os.path.join(output_dir, rel), expect, level, entry, deep_check)
-            out.append((rel, "ok", "", nbytes))
+            nbytes += check_shard(root + rel, expect, level, entry, deep_check)[0]
+            ok += 1
         except ShardBad as e:
-            out.append((rel, "bad", str(e), 0))
+            problems.append((rel, "bad", str(e)))
         except ShardIOError as e:
-            out.append((rel, "error", str(e), 0))
-    return out
+            problems.append((rel, "error", str(e)))
+    return len(jobs), ok, nbytes, problems
+
+
+def _fork_map(fn: Callable[..., Any], parts: list[tuple[Any, ...]]) -> list[Any]:
+    """[fn(*p) for p in parts]: parts[1:] each in a forked child, parts[0] in this process.
+
+    Children inherit everything (no pickling of the work) and send back one pickled result
+    through a pipe. Cheaper than a process pool (~0.1 s to start) for `quick`, whose whole
+    run may take less than that. A child that dies without a result is an error, not a pass.
+    """
+    import pickle
+
+    children = []
+    for part in parts[1:]:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: never return into the caller's code
+            code = 0
+            try:
+                os.close(r)
+                payload = pickle.dumps(fn(*part), protocol=pickle.HIGHEST_PROTOCOL)
+            except BaseException as e:  # report it; the parent raises
+                payload, code = pickle.dumps(RuntimeError(f"verify worker failed: {e!r}")), 1
+            try:
+                view = memoryview(payload)
+                while view:
+                    view = view[os.write(w, view) :]
+            finally:
+                os._exit(code)
+        os.close(w)
+        children.append((pid, r))
+    try:
+        results = [fn(*parts[0])]
+    finally:
+        pending = []
+        for pid, r in children:
+            with os.fdopen(r, "rb") as f:
+                data = f.read()
+            _, status = os.waitpid(pid, 0)
+            pending.append((data, status))
+    for data, status in pending:
+        result = pickle.loads(data) if data else None
+        if status != 0 or result is None or isinstance(result, BaseException):
+            raise (
+                result
+                if isinstance(result, BaseException)
+                else RuntimeError(f"verify worker died (wait status {status})")
+            )
+        results.append(result)
+    return results
 
 
 def verify_output(
@@ -1219,8 +1412,7 @@ def verify_output(
         raise ManifestError(f"{os.path.join(output_dir, INDEX_NAME)}: cannot read: {e.strerror}") from None
     report.index_bad_lines = state.bad_lines
     try:
-        on_disk = scan_shards(output_dir)
-        report.orphans = find_orphan_temps(output_dir)
+        on_disk = _scan(output_dir, report.orphans)
     except PermissionError as e:
         raise ManifestError(f"{e.filename}: cannot list: {e.strerror}") from None
 
@@ -1236,12 +1428,36 @@ def verify_output(
     report.unindexed = [p for p in on_disk if p not in by_path]
     jobs = [(p, by_path.get(p)) for p in on_disk]
 
+    problems: list[tuple[str, str, str]] = []
+
+    def add(part: tuple[int, int, int, list[tuple[str, str, str]]]) -> None:
+        report.checked += part[0]
+        report.ok += part[1]
+        report.bytes += part[2]
+        problems.extend(part[3])
+        if progress:
+            progress(report.checked, len(jobs), report.bytes)
+
     batch = max(1, min(256, len(jobs) // max(1, workers * 8) or 1))
     batches = [jobs[i : i + batch] for i in range(0, len(jobs), batch)]
-    done = 0
-    results: list[tuple[str, str, str, int]] = []
-    # Forking workers costs ~0.1 s; worth it only when there is enough work to share.
-    if workers > 1 and len(batches) > 1 and len(jobs) >= (1000 if level == "quick" else 4 * workers):
+    # `full` over big shards is CRC32 and pread, which run with the GIL released: threads share
+    # them at no start-up cost. `quick` is Python per file: forked children, split evenly up
+    # front (files cost about the same). Other mixes (deep, full on small files): a process
+    # pool, balancing batches of unequal cost; it costs ~0.1 s to start.
+    sizes = [e.size for e in by_path.values()]
+    threads = level == "full" and bool(sizes) and sum(sizes) >= len(sizes) * _SMALL_FILE
+    if workers > 1 and len(jobs) >= 2 * workers and threads:
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(max_workers=workers) as tpool:
+            futures = [tpool.submit(_check_batch, output_dir, b, level, expect, deep_check) for b in batches]
+            for fut in cf.as_completed(futures):
+                add(fut.result())
+    elif workers > 1 and level == "quick" and len(jobs) >= _FORK_MIN_QUICK and hasattr(os, "fork"):
+        parts = [(output_dir, jobs[i::workers], level, expect, None) for i in range(workers)]
+        for part in _fork_map(_check_batch, parts):
+            add(part)
+    elif workers > 1 and len(batches) > 1 and len(jobs) >= 4 * workers and level != "quick":
         import concurrent.futures as cf
         import multiprocessing as mp
 
@@ -1249,28 +1465,15 @@ def verify_output(
         with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
             futures = [pool.submit(_check_batch, output_dir, b, level, expect, deep_check) for b in batches]
             for fut in cf.as_completed(futures):
-                part = fut.result()
-                results.extend(part)
-                done += len(part)
-                report.bytes += sum(r[3] for r in part)
-                if progress:
-                    progress(done, len(jobs), report.bytes)
+                add(fut.result())
     else:
         for b in batches:
-            part = _check_batch(output_dir, b, level, expect, deep_check)
-            results.extend(part)
-            done += len(part)
-            report.bytes += sum(r[3] for r in part)
-            if progress:
-                progress(done, len(jobs), report.bytes)
+            add(_check_batch(output_dir, b, level, expect, deep_check))
 
-    results.sort()
-    for rel, status, reason, _ in results:
-        report.checked += 1
-        entry = by_path.get(rel)
-        if status == "ok":
-            report.ok += 1
-        elif status == "bad":
+    problems.sort()
+    for rel, status, reason in problems:
+        if status == "bad":
+            entry = by_path.get(rel)
             report.bad.append(BadShard(entry.sample_id if entry else None, rel, reason))
         else:
             report.errors.append(reason)

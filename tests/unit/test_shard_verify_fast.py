@@ -1,0 +1,256 @@
+"""The fast paths of verification: each must reach the same verdicts as the plain path.
+
+Optional CRC32 libraries (checked against zlib before use), threads for `full`, forked
+workers for `quick`, the layout memo's compared regions, the index's one-comparison line
+check and the single directory pass for shards and orphan temps.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import types
+import zlib
+from pathlib import Path
+
+import pytest
+from shard_helpers import expect, flip, make_run
+
+from extraction.shards import format as fmt
+
+
+@pytest.fixture(autouse=True)
+def _stdlib_crc_after():
+    yield
+    fmt.use_crc_backend("auto")
+
+
+def _fake_lib(monkeypatch, name: str, crc32, combine=None) -> None:
+    """Install a fake `isal.isal_zlib` / `zlib_ng.zlib_ng` module for _crc_backend to find."""
+    pkg, mod = name.split(".")
+    lib = types.ModuleType(name)
+    lib.crc32 = crc32
+    if combine is not None:
+        lib.crc32_combine = combine
+    monkeypatch.setitem(sys.modules, pkg, types.ModuleType(pkg))
+    monkeypatch.setitem(sys.modules, name, lib)
+
+
+def _counting_crc(calls: list[int]):
+    def crc32(data, value=0):
+        calls.append(len(data))
+        return zlib.crc32(data, value)
+
+    return crc32
+
+
+def test_a_crc_library_that_agrees_with_zlib_is_used_for_full(tmp_path, monkeypatch):
+    calls: list[int] = []
+    _fake_lib(monkeypatch, "zlib_ng.zlib_ng", _counting_crc(calls))
+    monkeypatch.setitem(sys.modules, "isal.isal_zlib", None)  # not installed
+    assert fmt.use_crc_backend("auto") == "zlib-ng"
+    _, (entry,) = make_run(tmp_path, n=1, length=7)
+    path = tmp_path / entry.path
+    calls.clear()
+    fmt.check_shard(str(path), expect(), "full", entry)
+    assert calls, "full did not use the selected CRC32"
+    flip(path, path.stat().st_size // 2)
+    with pytest.raises(fmt.ShardBad):
+        fmt.check_shard(str(path), expect(), "full", entry)
+
+
+@pytest.mark.parametrize(
+    "crc32, combine",
+    [
+        (lambda data, value=0: zlib.crc32(data, value) ^ 1, None),  # wrong values
+        (lambda data, value=0: zlib.crc32(data), None),  # ignores the start value
+        (lambda data, value=0: zlib.crc32(bytes(data), value), lambda a, b, n: a ^ b),  # wrong combine
+        (lambda data, value=0: 1 / 0, None),  # raises
+    ],
+)
+def test_a_crc_library_that_disagrees_with_zlib_is_never_used(monkeypatch, crc32, combine):
+    _fake_lib(monkeypatch, "isal.isal_zlib", crc32, combine)
+    monkeypatch.setitem(sys.modules, "zlib_ng.zlib_ng", None)
+    assert fmt.use_crc_backend("auto") == "zlib"
+    assert fmt._crc32 is zlib.crc32
+
+
+def test_hsx_crc32_env_forces_the_stdlib(monkeypatch):
+    _fake_lib(monkeypatch, "isal.isal_zlib", zlib.crc32)
+    monkeypatch.setenv("HSX_CRC32", "zlib")
+    assert fmt._crc_backend()[0] == "zlib"
+    monkeypatch.setenv("HSX_CRC32", "isal")
+    assert fmt._crc_backend()[0] == "isal"
+
+
+@pytest.mark.parametrize("backend", ["zlib", "isal", "zlib-ng"])
+def test_real_backends_catch_every_record_flip_in_chunked_reads(tmp_path, monkeypatch, backend):
+    if fmt.use_crc_backend(backend) != backend:
+        pytest.skip(f"{backend} is not installed here")
+    _, (entry,) = make_run(tmp_path, n=1, length=9)
+    path = tmp_path / entry.path
+    monkeypatch.setattr(fmt, "_SMALL_FILE", 0)  # the pread + combine path, chunk edges inside records
+    monkeypatch.setattr(fmt, "_DIRECT_CRC_MAX", 0)
+    monkeypatch.setattr(fmt, "_CHUNK", 101)
+    monkeypatch.setattr(fmt, "_tls", threading.local())
+    fmt.check_shard(str(path), expect(), "full", entry)
+    data = path.read_bytes()
+    with open(path, "r+b") as f:
+        for off in range(0, len(data), 37):
+            os.pwrite(f.fileno(), bytes([data[off] ^ 0x04]), off)
+            with pytest.raises(fmt.ShardBad):
+                fmt.check_shard(str(path), expect(), "full", entry)
+            os.pwrite(f.fileno(), data[off : off + 1], off)
+
+
+def test_crc32_combine_repeats_a_length_from_its_cache():
+    a, b, c = os.urandom(100), os.urandom(4099), os.urandom(4099)
+    first = fmt.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))
+    assert 4099 in fmt._SHIFT_OPS
+    assert fmt.crc32_combine(first, zlib.crc32(c), len(c)) == zlib.crc32(a + b + c)
+
+
+def _damage(tmp_path: Path, entries, every: int = 5) -> None:
+    for e in entries[::every]:
+        flip(tmp_path / e.path, 200)  # inside tensor data: passes quick, fails full
+
+
+def test_full_uses_threads_for_big_shards_and_agrees_with_one_worker(tmp_path, monkeypatch):
+    _, entries = make_run(tmp_path, n=24, length=4)
+    _damage(tmp_path, entries)
+    (tmp_path / entries[1].path).write_bytes(b"junk")
+    one = fmt.verify_output(str(tmp_path), "full", workers=1)
+    monkeypatch.setattr(fmt, "_SMALL_FILE", 64)  # these shards now count as big: threads
+    seen: set[str] = set()
+    real = fmt._check_batch
+    monkeypatch.setattr(fmt, "_check_batch", lambda *a: seen.add(threading.current_thread().name) or real(*a))
+    two = fmt.verify_output(str(tmp_path), "full", workers=2)
+    assert seen and all("ThreadPoolExecutor" in n for n in seen)
+    assert [(b.path, b.reason) for b in one.bad] == [(b.path, b.reason) for b in two.bad]
+    assert len(one.bad) == 6 and (one.checked, one.ok, one.bytes) == (two.checked, two.ok, two.bytes)
+
+
+def test_quick_forks_workers_and_agrees_with_one(tmp_path, monkeypatch):
+    _, entries = make_run(tmp_path, n=30, length=3)
+    for e in entries[::4]:
+        (tmp_path / e.path).write_bytes(b"PK junk")
+    (tmp_path / entries[1].path).unlink()
+    one = fmt.verify_output(str(tmp_path), "quick", workers=1)
+    monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
+    forks: list[int] = []
+    real = fmt._fork_map
+    monkeypatch.setattr(fmt, "_fork_map", lambda fn, parts: forks.append(len(parts)) or real(fn, parts))
+    three = fmt.verify_output(str(tmp_path), "quick", workers=3)
+    assert forks == [3]
+    assert [(b.path, b.reason) for b in one.bad] == [(b.path, b.reason) for b in three.bad]
+    assert one.missing == three.missing == [entries[1].sample_id]
+    assert (one.checked, one.ok, one.bytes, len(one.bad)) == (three.checked, three.ok, three.bytes, 8)
+
+
+def _pid(x: int) -> tuple[int, int]:
+    return x, os.getpid()
+
+
+def _fail_in_child(parent: int) -> int:
+    if os.getpid() != parent:
+        raise ValueError("boom")
+    return 1
+
+
+def _die_in_child(parent: int) -> int:
+    if os.getpid() != parent:
+        os._exit(3)
+    return 1
+
+
+def test_fork_map_runs_parts_in_children_and_reports_their_failures():
+    out = fmt._fork_map(_pid, [(0,), (1,), (2,)])
+    assert [x for x, _ in out] == [0, 1, 2]
+    assert out[0][1] == os.getpid() and len({p for _, p in out}) == 3
+    with pytest.raises(RuntimeError, match="boom"):
+        fmt._fork_map(_fail_in_child, [(os.getpid(),), (os.getpid(),)])
+    with pytest.raises(RuntimeError, match="died"):
+        fmt._fork_map(_die_in_child, [(os.getpid(),), (os.getpid(),)])
+
+
+def _records(path: Path) -> dict[str, fmt.ZipRecord]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        recs = fmt.read_zip_records(fmt._Reader(fd, os.fstat(fd).st_size))[0]
+    finally:
+        os.close(fd)
+    return {r.name.split("/", 1)[1]: r for r in recs}
+
+
+def test_layout_memo_ignores_only_varying_bytes(tmp_path, monkeypatch):
+    _, (a, b) = make_run(tmp_path, n=2, length=6)
+    pa, pb = tmp_path / a.path, tmp_path / b.path
+    calls = []
+    real = fmt._inspect
+    monkeypatch.setattr(fmt, "_inspect", lambda r, e: calls.append(1) or real(r, e))
+    monkeypatch.setattr(fmt, "_LAYOUTS", {})
+    fmt.check_shard(str(pa), expect())
+    fmt.check_shard(str(pb), expect())
+    assert len(calls) == 1  # b matched a's layout: not parsed
+    recs = _records(pb)
+    data = pb.read_bytes()
+
+    def parsed_after(offset: int, value: bytes) -> int:
+        before = len(calls)
+        pb.write_bytes(data[:offset] + value + data[offset + len(value) :])
+        try:
+            fmt.check_shard(str(pb), expect())
+        except fmt.ShardBad:
+            pass
+        return len(calls) - before
+
+    # Varying bytes: tensor data, its data descriptor, its CRC in the central directory.
+    d0 = recs["data/0"]
+    assert parsed_after(d0.data_offset, bytes([data[d0.data_offset] ^ 1])) == 0
+    assert parsed_after(d0.data_offset + d0.size + 4, b"\xff") == 0
+    assert parsed_after(d0.crc_at, b"\xff\xff\xff\xff") == 0
+    # Everything else is compared: a change there means a full parse.
+    ver = recs[".format_version"]
+    for offset in (
+        recs["data/0"].header_offset + 2,  # a local header
+        recs["data.pkl"].data_offset + 5,  # the pickle
+        ver.data_offset,  # a constant record's data
+        ver.data_offset + ver.size + 4,  # a constant record's descriptor
+        ver.crc_at,  # a constant record's CRC
+        d0.crc_at + 4,  # the field after a varying CRC (compressed size)
+        len(data) - 3,  # the end record
+    ):
+        assert parsed_after(offset, bytes([data[offset] ^ 0x20])) == 1, offset
+
+
+def test_index_lines_not_written_by_us_still_follow_the_line_rule(tmp_path):
+    e = fmt.IndexEntry("a", "shards/00/a.pt", 10, "crc32:00000001", 3)
+    line = fmt.encode_index_line(fmt.index_record(e))
+    upper = line[:-9] + line[-9:-1].upper() + b"\n"  # a valid CRC in capitals: accepted as before
+    wrong = line[:-2] + (b"0" if line[-2:-1] != b"0" else b"1") + b"\n"
+    (tmp_path / fmt.INDEX_NAME).write_bytes(upper + wrong + line)
+    state = fmt.read_index(str(tmp_path))
+    assert state.entries == {"a": e} and state.bad_lines == 1
+    (tmp_path / fmt.INDEX_NAME).write_bytes(upper)
+    assert fmt.read_index(str(tmp_path)).entries == {"a": e}
+    (tmp_path / fmt.INDEX_NAME).write_bytes(b"\t00000000\n" + line)  # an empty body with its CRC
+    state = fmt.read_index(str(tmp_path))
+    assert state.entries == {"a": e} and state.bad_lines == 1
+
+
+def test_one_directory_pass_finds_the_same_orphans(tmp_path):
+    _, entries = make_run(tmp_path, n=3)
+    bucket = (tmp_path / entries[0].path).parent
+    for p in (
+        tmp_path / fmt.temp_name("run.json"),
+        tmp_path / fmt.SHARDS_DIR / fmt.temp_name("x.pt"),
+        bucket / fmt.temp_name("y.pt"),
+    ):
+        p.write_bytes(b"partial")
+    os.mkdir(bucket / fmt.temp_name("dir.pt"))  # not a file: not an orphan
+    orphans: list[str] = []
+    shards = fmt._scan(str(tmp_path), orphans)
+    assert shards == fmt.scan_shards(str(tmp_path)) and len(shards) == 3
+    assert orphans == fmt.find_orphan_temps(str(tmp_path)) and len(orphans) == 3
+    assert fmt.verify_output(str(tmp_path)).orphans == orphans
