@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from extraction import layers as layer_mod
 from extraction.backends.base import Backend, Sample, SampleStates
 from extraction.config import ExtractConfig
@@ -63,7 +65,7 @@ EXIT_SIGTERM = 143
 
 WINDOW_BATCHES = 16  # a planning window holds this many batches' worth of samples
 QUEUE_BATCHES = 4  # batches buffered between tokenizer -> forward -> writer
-WRITER_THREADS = 0  # shards published at once; 0: 1 on a machine of <= 4 cores, else 2
+WRITER_THREADS = 0  # shards published at once; 0: a thread per 4 cores, 1 to 4
 
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -136,6 +138,33 @@ def _end_torn_index_line(output_dir: str) -> None:
         return
 
 
+_EXPONENT = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf: no element with an all-ones exponent. A masked max over the bits runs several
+    times faster on the host than torch.isfinite (which is slow for bf16)."""
+    spec = _EXPONENT.get(t.dtype)
+    if spec is None or t.numel() == 0 or t.stride(-1) != 1:
+        return bool(torch.isfinite(t).all())
+    itype, mask = spec
+    return int((t.view(itype) & mask).max()) != mask
+
+
+def _nonfinite(states: SampleStates) -> str | None:
+    """The name of a tensor holding NaN/Inf, or None; trusts the backend's own check if it made one."""
+    if states.finite is True:
+        return None
+    for key, t in ((fmt.KEY_HIDDEN, states.hidden_state), (fmt.KEY_AUX, states.aux_hidden_state)):
+        if not all_finite(t):
+            return key
+    return None if states.finite is None else f"{fmt.KEY_HIDDEN} or {fmt.KEY_AUX}"
+
+
 def make_backend(cfg: ExtractConfig, layer_ids: list[int]) -> Backend:
     if cfg.backend == "hf":
         from extraction.backends.hf import HFBackend
@@ -178,7 +207,7 @@ class Runner:
         self.bar: Any = None
         self._errors_lock = threading.Lock()
         self.producer: threading.Thread | None = None
-        self.writer_threads = WRITER_THREADS or (1 if (os.cpu_count() or 1) <= 4 else 2)
+        self.writer_threads = WRITER_THREADS or min(4, max(1, (os.cpu_count() or 1) // 4))
         self._guard_lock = threading.Lock()
         self._inflight_bytes = 0
         self.batch_q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
@@ -366,6 +395,9 @@ class Runner:
             self.reporter.free_bytes = free - self._inflight_bytes
             self._inflight_bytes += needed
         try:
+            bad = _nonfinite(states)
+            if bad is not None:
+                raise ShardDataError(f"sample {sample.sample_id!r}: {bad} has NaN or Inf values")
             entry = self.writer.publish(
                 sample.sample_id,
                 sample.input_ids,
@@ -530,7 +562,8 @@ class Runner:
         self.itemsize = _ITEMSIZE[self.manifest.dtype]
         self._check_extra(self.manifest)
         try:
-            self.writer = ShardWriter(cfg.output, self.manifest)
+            # The NaN/Inf check is the runner's (_nonfinite): on the device when the backend can.
+            self.writer = ShardWriter(cfg.output, self.manifest, check_finite=False)
         except ManifestMismatchError as e:
             raise RunError(f"refusing to resume: {e}") from None
         except ManifestError as e:

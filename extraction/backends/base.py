@@ -27,6 +27,9 @@ class SampleStates:
     input_ids: torch.Tensor  # [L] int64, as the model saw them
     hidden_state: torch.Tensor  # [L, H], final layer after the final norm
     aux_hidden_state: torch.Tensor  # [L, k*H], captured layers concatenated in layer-id order
+    # True/False when the backend already checked both tensors for NaN/Inf (on the device, where it
+    # is cheap); None when it did not and the runner must check them on the host.
+    finite: bool | None = None
 
 
 @dataclass

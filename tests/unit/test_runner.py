@@ -22,7 +22,7 @@ from extraction.backends.hf import HFBackend
 from extraction.cli import main
 from extraction.config import ConfigError, build_config
 from extraction.dataset import scan_dataset
-from extraction.runner import EXIT_FAILED, EXIT_OK, EXIT_PAUSED, EXIT_USAGE, assigned_to
+from extraction.runner import EXIT_FAILED, EXIT_OK, EXIT_PAUSED, EXIT_USAGE, all_finite, assigned_to
 from extraction.shards import format as fmt
 from extraction.status import ERRORS_NAME, read_status
 from extraction.tiny import write_tiny_dataset
@@ -209,6 +209,47 @@ def test_poison_sample_logged_others_written(tiny_model_dir, dataset, backend, t
     # The next run retries just that one.
     assert run(make_cfg(tiny_model_dir, dataset, tmp_path / "out"), backend) == EXIT_OK
     assert_complete(tmp_path / "out", ids)
+
+
+class _NaNBackend(SharedBackend):
+    """States with a NaN for one sample: unchecked (host check) or flagged by the backend itself."""
+
+    def __init__(self, inner, victim: str, flag: bool):
+        super().__init__(inner)
+        self.victim, self.flag = victim, flag
+
+    def extract(self, samples):
+        out = self.inner.extract(samples)
+        for r in out:
+            if r.sample_id == self.victim:
+                r.aux_hidden_state[2, 5] = float("nan")
+            if self.flag:
+                r.finite = r.sample_id != self.victim
+        return out
+
+
+@pytest.mark.parametrize("flag", [False, True], ids=["host-check", "backend-flag"])
+def test_nan_sample_not_written(tiny_model_dir, dataset, backend, tmp_path, ids, flag) -> None:
+    victim = sorted(ids)[1]
+    out = tmp_path / "out"
+    assert (
+        run(make_cfg(tiny_model_dir, dataset, out), _NaNBackend(backend.inner, victim, flag)) == EXIT_FAILED
+    )
+    assert set(fmt.load_index(str(out))) == ids - {victim}
+    (err,) = [json.loads(x) for x in (out / ERRORS_NAME).read_text().splitlines()]
+    assert (
+        err["sample_id"] == victim and "NaN or Inf" in err["reason"] and "aux_hidden_state" in err["reason"]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite(dtype) -> None:
+    t = torch.randn(7, 64).to(dtype) * 1000
+    assert all_finite(t) and all_finite(t[2:5]) and all_finite(t[:, 3:9])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        u = t.clone()
+        u[4, 60] = bad
+        assert not all_finite(u) and not all_finite(u[3:]) and all_finite(u[:4])
 
 
 def test_consecutive_errors_abort(tiny_model_dir, dataset, backend, tmp_path) -> None:
