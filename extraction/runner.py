@@ -223,6 +223,8 @@ class Runner:
             "drain_s": 0.0,
             "ready_at": 0.0,
             "pipeline_end_at": 0.0,
+            "ready_cpu_at": 0.0,  # process CPU seconds (all threads), for benchmarks
+            "pipeline_end_cpu_at": 0.0,
         }
 
     # ------------------------------------------------------------------ set-up
@@ -631,6 +633,7 @@ class Runner:
                 self.log(f"cannot start the {cfg.backend} backend: {e}")
                 return EXIT_FAILED
             self.timings["ready_at"] = time.perf_counter()
+            self.timings["ready_cpu_at"] = time.process_time()
             self.timings["model_load_s"] = self.timings["ready_at"] - t0
             self._check_backend()
             self.reporter.set_state("running")
@@ -752,6 +755,7 @@ class Runner:
             while writer.is_alive():
                 writer.join(timeout=0.5)
             tm["pipeline_end_at"] = time.perf_counter()
+            tm["pipeline_end_cpu_at"] = time.process_time()
             tm["drain_s"] = tm["pipeline_end_at"] - t0
 
     def _finish(self) -> int:
