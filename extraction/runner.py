@@ -65,7 +65,9 @@ EXIT_SIGTERM = 143
 
 WINDOW_BATCHES = 16  # a planning window holds this many batches' worth of samples
 QUEUE_BATCHES = 4  # batches buffered between tokenizer -> forward -> writer
-WRITER_THREADS = 0  # shards published at once; 0: a thread per 4 cores, 1 to 4
+# Shards published at once; 0: 1 on <= 4 cores, else 2. More writers hold the GIL more (torch.save's
+# record writing does), which slows the forward thread: on an H200 host 2 beat 4 (docs/benchmarks.md).
+WRITER_THREADS = 0
 
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -207,7 +209,7 @@ class Runner:
         self.bar: Any = None
         self._errors_lock = threading.Lock()
         self.producer: threading.Thread | None = None
-        self.writer_threads = WRITER_THREADS or min(4, max(1, (os.cpu_count() or 1) // 4))
+        self.writer_threads = WRITER_THREADS or (1 if (os.cpu_count() or 1) <= 4 else 2)
         self._guard_lock = threading.Lock()
         self._inflight_bytes = 0
         self.batch_q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
