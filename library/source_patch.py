@@ -94,8 +94,9 @@ options:
         default: auto
     sglang_version:
         description:
-            - With O(patch=sglang_dump_hook), the installed SGLang version; the module fails before any change
-              when it is not a supported release (module_utils C(hsx_sglang_versions)).
+            - The installed SGLang version (for O(patch=sglang_dump_hook), or an ad hoc revision of it given by
+              O(patch_id)); the module fails before any change when it is not a supported release
+              (module_utils C(hsx_sglang_versions)).
         type: str
 attributes:
     check_mode:
@@ -219,7 +220,7 @@ class SourcePatch:
         p = self.params
         path = p["path"]
         patch = self.patch()
-        if p["patch"] == "sglang_dump_hook" and p["sglang_version"] is not None and p["state"] == "present":
+        if p["sglang_version"] is not None and p["state"] == "present":
             problem = support_problem(p["sglang_version"])
             if problem:
                 self.module.fail_json(msg=f"{path}: {problem}; nothing changed", changed=False)

@@ -15,18 +15,29 @@ ForwardBatch-like objects, exactly at the point the patched model would:
   request, through extraction/backends/hf.py), captured layers in the hook's list form;
 - the reply carries one greedy token id, as a max_new_tokens=1 generate would.
 
+With --sglang-package DIR (an installed SGLang package, patched by sglang_patch) it runs what that
+install holds instead of importing the hook from the project: the patch blocks found between our
+markers in DIR/srt/models/deepseek_v2.py are executed where the patched DeepseekV2Model runs them
+(init block at start-up, forward block after each pass), and `sglang.hsx_dump_hook` is the module
+deployed in DIR. So a patch that breaks the model breaks this server at start-up, an unpatched
+install dumps nothing, and GET /hsx_patch tells which patch version the running server loaded.
+
 What it does not model: GPU numerics, CUDA graphs, tensor parallelism, the radix cache, decode.
 
     python tests/standin_sglang/server.py --model-path DIR --port 30000 [--chunked-prefill-size 64]
+        [--sglang-package /opt/sglang/venv/lib/python3.11/site-packages/sglang]
 (unknown SGLang flags are accepted and ignored, so a unit file can keep its real command line).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import json
 import os
 import queue
+import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -39,7 +50,48 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from extraction.backends.base import Sample  # noqa: E402
-from extraction.sglang import hook  # noqa: E402
+from extraction.sglang import hook, patchdef  # noqa: E402
+
+_BEGIN = re.compile(r"^([ \t]*)# >>> hsx-patch (\S+) block=(\S+) v=(\S+) ")
+_END = re.compile(r"^[ \t]*# <<< hsx-patch (\S+) block=(\S+) <<<")
+
+
+def load_patched_install(package: str) -> tuple[dict[str, object], dict[str, str]]:
+    """The patch blocks of an installed SGLang (compiled, by block name) and what was found.
+
+    Makes `sglang.hsx_dump_hook` the hook module deployed in the install (a bare `sglang` package
+    object stands in for the real one, whose import needs a GPU stack)."""
+    target = os.path.join(package, patchdef.TARGET)
+    with open(target, encoding="utf-8") as f:
+        text = f.read()
+    ast.parse(text, target)  # a file that does not parse would not import in SGLang either
+    blocks: dict[str, object] = {}
+    versions: set[str] = set()
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines):
+        m = _BEGIN.match(lines[i])
+        if m and m.group(2) == patchdef.PATCH_ID:
+            indent, name = len(m.group(1)), m.group(3)
+            versions.add(m.group(4))
+            body = []
+            i += 1
+            while not (_END.match(lines[i]) and _END.match(lines[i]).group(2) == name):
+                body.append(lines[i][indent:])
+                i += 1
+            blocks[name] = compile("\n".join(body) + "\n", f"{target}:{name}", "exec")
+        i += 1
+    pkg = type(sys)("sglang")
+    pkg.__path__ = [package]
+    sys.modules["sglang"] = pkg
+    hook_path = os.path.join(package, patchdef.HOOK_FILENAME)
+    if os.path.exists(hook_path):
+        spec = importlib.util.spec_from_file_location(patchdef.HOOK_MODULE, hook_path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[patchdef.HOOK_MODULE] = module
+        spec.loader.exec_module(module)
+    info = {"id": patchdef.PATCH_ID, "version": ",".join(sorted(versions)) or "none", "file": target}
+    return blocks, info
 
 
 class ForwardMode:
@@ -63,7 +115,8 @@ class StandInServer:
     """The server object; tests run it in-process (start/stop), the script via serve_forever."""
 
     def __init__(
-        self, model_path: str, host: str = "127.0.0.1", port: int = 0, chunk: int = 64, dtype: str = "bf16"
+        self, model_path: str, host: str = "127.0.0.1", port: int = 0, chunk: int = 64, dtype: str = "bf16",
+        sglang_package: str | None = None,
     ):
         from extraction.backends.hf import HFBackend
 
@@ -74,9 +127,16 @@ class StandInServer:
         self.model = SimpleNamespace(
             config=SimpleNamespace(num_hidden_layers=self.hf.num_layers), layers_to_capture=[]
         )
-        self.model._hsx_dump = hook.attach(self.model)
-        if self.model._hsx_dump is not None:
-            self.model._hsx_dump.version = "standin"
+        self.patch_blocks: dict[str, object] = {}
+        self.patch_info: dict[str, str] = {"id": patchdef.PATCH_ID, "version": "project hook (no install)"}
+        if sglang_package:
+            self.patch_blocks, self.patch_info = load_patched_install(sglang_package)
+            if "init" in self.patch_blocks:  # DeepseekV2Model.__init__ runs it; an error fails the load
+                exec(self.patch_blocks["init"], {"__builtins__": __builtins__}, {"self": self.model})
+        else:
+            self.model._hsx_dump = hook.attach(self.model)
+            if self.model._hsx_dump is not None:
+                self.model._hsx_dump.version = "standin"
         self.queue: queue.Queue[_Request | None] = queue.Queue()
         self.ready = threading.Event()
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
@@ -109,7 +169,10 @@ class StandInServer:
             extend_prefix_lens_cpu=[s for _, s, _ in pieces],
             input_ids=torch.cat([r.input_ids[s:e] for r, s, e in pieces]),
         )
-        if self.model._hsx_dump is not None:
+        if "forward" in self.patch_blocks:
+            scope = {"self": self.model, "forward_batch": batch, "hidden_states": final, "aux_hidden_states": aux}
+            exec(self.patch_blocks["forward"], {"__builtins__": __builtins__}, scope)
+        elif not self.patch_blocks and getattr(self.model, "_hsx_dump", None) is not None:
             self.model._hsx_dump.after_forward(batch, final, aux)
 
     def _scheduler(self) -> None:
@@ -166,6 +229,8 @@ class StandInServer:
                 self.wfile.write(data)
 
             def do_GET(self):
+                if self.path == "/hsx_patch":  # TEST-ONLY: the patch version this server loaded
+                    return self._reply(200, server.patch_info)
                 if self.path == "/health":
                     return self._reply(
                         200 if server.ready.is_set() else 503, "OK" if server.ready.is_set() else ""
@@ -227,12 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--chunked-prefill-size", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--sglang-package", help="run the patch and hook of this installed SGLang package")
     args, _ignored = parser.parse_known_args(argv)
     server = StandInServer(
-        args.model_path, args.host, args.port, args.chunked_prefill_size, args.dtype
+        args.model_path, args.host, args.port, args.chunked_prefill_size, args.dtype, args.sglang_package
     ).start()
     print(
-        f"stand-in SGLang server on {server.url} (dumps: {os.environ.get(hook.ENV_DIR) or 'off'})", flush=True
+        f"stand-in SGLang server on {server.url} (dumps: {os.environ.get(hook.ENV_DIR) or 'off'}; "
+        f"patch {server.patch_info['id']} v{server.patch_info['version']})", flush=True
     )
     try:
         threading.Event().wait()
