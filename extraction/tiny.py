@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +133,22 @@ def build_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = VOCAB_SIZE) 
 
 def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, hidden: int = 64, layers: int = 6) -> Path:
     """Write the tiny target (config, bf16 safetensors weights, tokenizer) to out_dir; returns it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Built beside `out`, then moved in with config.json last: callers (and `creates: config.json`
+    # in the lab plays, two of which may run at once) take config.json as "complete".
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+        _write_tiny_model(Path(tmp), seed, hidden, layers)
+        files = sorted(Path(tmp).iterdir(), key=lambda f: f.name == "config.json")
+        for f in files:
+            os.replace(f, out / f.name)
+    return out
+
+
+def _write_tiny_model(out: Path, seed: int, hidden: int, layers: int) -> None:
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out, seed=seed)
     config = DeepseekV3Config(**model_config_kwargs(hidden=hidden, layers=layers))
     config.architectures = ["DeepseekV3ForCausalLM"]
@@ -152,7 +164,6 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, hidden: int = 64
     if model.generation_config is not None:
         # Nothing in the generation config is seed-dependent, but keep the directory minimal.
         (out / "generation_config.json").unlink(missing_ok=True)
-    return out
 
 
 # ---------------------------------------------------------------- dataset

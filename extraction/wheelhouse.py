@@ -9,6 +9,7 @@ recorded in their venv to decide whether anything must be installed (idempotent 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -61,12 +62,22 @@ def _pip(*args: str) -> None:
 
 
 def build(dest: Path, source: Path | None = None, constraints: Path | None = None) -> dict:
-    """Build or refresh `dest`; returns the manifest with `changed` saying whether anything moved."""
+    """Build or refresh `dest`; returns the manifest with `changed` saying whether anything moved.
+
+    Two playbooks started at once (two operators, two test lanes) share one wheelhouse: the
+    second waits on a lock and then finds it built.
+    """
     source = source or source_root()
     constraints = constraints or source / "constraints.txt"
     if not constraints.is_file():
         raise WheelhouseError(f"constraints file {constraints} not found")
     dest.mkdir(parents=True, exist_ok=True)
+    with open(dest / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(dest, source, constraints)
+
+
+def _build_locked(dest: Path, source: Path, constraints: Path) -> dict:
     old = read_manifest(dest)
     inputs = source_digest(source, constraints)
     if old and old.get("source_digest") == inputs and _complete(dest, old):
