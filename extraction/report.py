@@ -75,46 +75,91 @@ def _checks(f: dict[str, Any]) -> list[dict[str, Any]]:
     assess = f.get("node_assess_report")
     if assess:
         running = assess.get("units_running") or []
-        add("assess", True, f"units running: {', '.join(running) or 'none'}; data mount "
-            f"{'mounted' if _get(assess, 'data_mount', 'mounted') else 'NOT mounted'}")
+        add(
+            "assess",
+            True,
+            f"units running: {', '.join(running) or 'none'}; data mount "
+            f"{'mounted' if _get(assess, 'data_mount', 'mounted') else 'NOT mounted'}",
+        )
     gpu = f.get("gpu_reclaim_result")
     if gpu:
         changed = gpu.get("units_changed") or []
         ended = gpu.get("processes_ended") or []
-        add("gpus", not gpu.get("failed"), f"{len(gpu.get('units_running') or [])} units held the node "
+        add(
+            "gpus",
+            not gpu.get("failed"),
+            f"{len(gpu.get('units_running') or [])} units held the node "
             f"({', '.join(gpu.get('units_running') or []) or 'none'}); changed {', '.join(changed) or 'nothing'}; "
-            f"{len(ended)} GPU processes ended; {gpu.get('gpus', 0)} GPUs")
+            f"{len(ended)} GPU processes ended; {gpu.get('gpus', 0)} GPUs",
+        )
     storage = f.get("storage_guard_result")
     if storage:
-        add("storage", True, f"{_int(storage.get('free_bytes'))} bytes free on {storage.get('mount')}, need "
-            f"{_int(storage.get('need_bytes'))} for {storage.get('remaining_samples')} remaining samples")
+        add(
+            "storage",
+            True,
+            f"{_int(storage.get('free_bytes'))} bytes free on {storage.get('mount')}, need "
+            f"{_int(storage.get('need_bytes'))} for {storage.get('remaining_samples')} remaining samples",
+        )
     shards = f.get("shard_verify_result")
     if shards and not shards.get("skipped"):
         bad = _int(shards.get("bad_count")) or 0
         quarantined = len(shards.get("quarantined") or [])
         missing = _int(shards.get("missing_count")) or 0
         ok = bad == 0 or quarantined >= bad or bool(shards.get("report_only"))
-        add("shards", ok, f"{shards.get('level')}: {shards.get('ok')} ok, {bad} bad, {missing} missing, "
-            f"{quarantined} quarantined, {shards.get('orphans_removed', 0)} temp files removed")
+        add(
+            "shards",
+            ok,
+            f"{shards.get('level')}: {shards.get('ok')} ok, {bad} bad, {missing} missing, "
+            f"{quarantined} quarantined, {shards.get('orphans_removed', 0)} temp files removed",
+        )
     deploy = f.get("extraction_deploy_result")
     if deploy:
-        add("deploy", True, f"hsx {deploy.get('version')} in {deploy.get('venv')} "
-            f"({'installed' if deploy.get('installed') else 'already current'})")
+        add(
+            "deploy",
+            True,
+            f"hsx {deploy.get('version')} in {deploy.get('venv')} "
+            f"({'installed' if deploy.get('installed') else 'already current'})",
+        )
     patch = f.get("sglang_patch_result")
     if patch:
-        add("patch", patch.get("state_after", patch.get("state")) in (None, "patched"),
-            f"SGLang {patch.get('version')}: {patch.get('state_before', '?')} -> {patch.get('state_after', '?')}")
+        # sglang_patch_result: before/after are the file's patch state, state is present/absent.
+        after = patch.get("after", patch.get("state_after"))
+        wanted = "unpatched" if patch.get("state") == "absent" else "patched"
+        add(
+            "patch",
+            after in (None, wanted) or bool(patch.get("check_mode")),
+            f"SGLang {patch.get('version')}: {patch.get('before', patch.get('state_before', '?'))} -> {after or '?'}"
+            + (f" (patch v{patch.get('patch_version')})" if patch.get("patch_version") else ""),
+        )
     server = f.get("sglang_server_result")
     if server:
-        add("server", bool(server.get("healthy", True)), f"{server.get('unit')}: {server.get('state', '?')}")
+        add(
+            "server",
+            bool(server.get("healthy", True)) or bool(server.get("check_mode")) or server.get("start_requested") is False,
+            f"{server.get('unit')}: {server.get('active_state', server.get('state', '?'))}",
+        )
     job = f.get("extraction_job_result")
     if job:
         state = job.get("state")
-        ok = (bool(job.get("making_progress")) or state == "done" or f.get("mode") == "check"
-              or job.get("start_requested") is False)
-        add("job", ok, f"{job.get('unit')}: {job.get('active_state')}, {state}, "
+        ok = (
+            bool(job.get("making_progress"))
+            or state == "done"
+            or f.get("mode") == "check"
+            or job.get("start_requested") is False
+        )
+        add(
+            "job",
+            ok,
+            f"{job.get('unit')}: {job.get('active_state')}, {state}, "
             f"{job.get('done')}/{job.get('total')} done, {job.get('samples_per_s')} samples/s"
-            + ("" if not job.get("message") else f" ({job.get('message')})"))
+            + ("" if not job.get("message") else f" ({job.get('message')})"),
+        )
+    rollout = f.get("rollout_result")
+    if rollout:
+        outcome = str(rollout.get("outcome") or "?")
+        add("rollout", not outcome.startswith(("reverted", "REVERT", "not reached")),
+            f"v{rollout.get('from_version')} -> v{rollout.get('to_version')}: {outcome}; "
+            f"runs v{rollout.get('running_version')}")
     if f.get("failed_task"):
         stage = f.get("failed_stage") or stage_of_task(f.get("failed_task")) or "recover"
         add(stage, False, f"{f.get('failed_task')}: {f.get('failed_msg')}")
@@ -136,11 +181,15 @@ def host_report(facts: dict[str, Any]) -> dict[str, Any]:
     job = facts.get("extraction_job_result") or {}
     after = {
         "progress": _progress(facts.get("status_after")),
-        "job": {k: job.get(k) for k in ("unit", "active_state", "state", "started", "restarted", "making_progress")},
+        "job": {
+            k: job.get(k)
+            for k in ("unit", "active_state", "state", "started", "restarted", "making_progress")
+        },
         "shards_quarantined": len(_get(facts, "shard_verify_result", "quarantined", default=[]) or []),
         "units_changed": _get(facts, "gpu_reclaim_result", "units_changed", default=[]),
         "processes_ended": len(_get(facts, "gpu_reclaim_result", "processes_ended", default=[]) or []),
         "patch": facts.get("sglang_patch_result"),
+        "rollout": facts.get("rollout_result"),
     }
     return {
         "host": facts.get("host"),
@@ -155,9 +204,16 @@ def host_report(facts: dict[str, Any]) -> dict[str, Any]:
 
 
 def unreachable_report(host: str) -> dict[str, Any]:
-    return {"host": host, "ok": False, "mode": None, "failed_step": "connect",
-            "reason": "unreachable (no facts came back from this host)",
-            "checks": [{"name": "connect", "ok": False, "detail": "host unreachable"}], "before": {}, "after": {}}
+    return {
+        "host": host,
+        "ok": False,
+        "mode": None,
+        "failed_step": "connect",
+        "reason": "unreachable (no facts came back from this host)",
+        "checks": [{"name": "connect", "ok": False, "detail": "host unreachable"}],
+        "before": {},
+        "after": {},
+    }
 
 
 def _fmt_progress(p: dict[str, Any]) -> str:
@@ -169,27 +225,48 @@ def _fmt_progress(p: dict[str, Any]) -> str:
 
 def summary_markdown(reports: list[dict[str, Any]], title: str) -> str:
     ok = [r for r in reports if r["ok"]]
-    lines = [f"# {title}", "", f"{len(ok)} of {len(reports)} hosts ok.", "",
-             "| host | ok | samples before | samples after | shards ok / quarantined | units stopped | "
-             "GPU processes ended | patch | job |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# {title}",
+        "",
+        f"{len(ok)} of {len(reports)} hosts ok.",
+        "",
+        "| host | ok | samples before | samples after | shards ok / quarantined | units stopped | "
+        "GPU processes ended | patch | job |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in reports:
         checks = {c["name"]: c for c in r["checks"]}
         shards = checks.get("shards", {}).get("detail", "-")
         after = r.get("after") or {}
         job = after.get("job") or {}
         patch = after.get("patch") or {}
+        rollout = after.get("rollout") or {}
+        patch_cell = (f"v{rollout.get('running_version')}" if rollout
+                      else patch.get("after", patch.get("state_after", "-")) if patch else "-")
         lines.append(
             f"| {r['host']} | {'yes' if r['ok'] else '**NO**'} | {_fmt_progress(_get(r, 'before', 'progress'))} | "
             f"{_fmt_progress(_get(r, 'after', 'progress'))} | {shards} | "
             f"{', '.join(after.get('units_changed') or []) or '-'} | {after.get('processes_ended', 0) or 0} | "
-            f"{patch.get('state_after', '-') if patch else '-'} | "
-            f"{job.get('active_state') or '-'}, {job.get('state') or '-'} |")
+            f"{patch_cell} | "
+            f"{job.get('active_state') or '-'}, {job.get('state') or '-'} |"
+        )
+    rollouts = [r for r in reports if (r.get("after") or {}).get("rollout")]
+    if rollouts:
+        lines += ["", "## Patch versions", ""]
+        for r in rollouts:
+            ro = r["after"]["rollout"]
+            lines.append(f"- {r['host']}: runs v{ro.get('running_version')} ({ro.get('outcome')}; "
+                         f"was v{ro.get('from_version')}, target v{ro.get('to_version')})")
+        halted = next((r["after"]["rollout"] for r in rollouts if r["after"]["rollout"].get("halted")), None)
+        if halted:
+            lines += ["", f"The rollout stopped: {halted.get('halt_reason')}."]
     failed = [r for r in reports if not r["ok"]]
     if failed:
         lines += ["", "## Failed hosts", ""]
         for r in failed:
-            lines.append(f"- **{r['host']}**: step `{r.get('failed_step') or '?'}`: {r.get('reason') or ''}".rstrip())
+            lines.append(
+                f"- **{r['host']}**: step `{r.get('failed_step') or '?'}`: {r.get('reason') or ''}".rstrip()
+            )
             for c in r["checks"]:
                 if not c["ok"]:
                     lines.append(f"  - {c['name']}: {c['detail']}")
@@ -207,7 +284,9 @@ def build(report_dir: str | os.PathLike, title: str = "Recovery report") -> tupl
     root = Path(report_dir)
     facts_dir = root / FACTS_DIR
     if not facts_dir.is_dir() and not (root / HOSTS_FILE).is_file():
-        raise FileNotFoundError(f"{root} holds no {FACTS_DIR}/ or {HOSTS_FILE}: not a recovery report directory")
+        raise FileNotFoundError(
+            f"{root} holds no {FACTS_DIR}/ or {HOSTS_FILE}: not a recovery report directory"
+        )
     facts = {}
     for path in sorted(facts_dir.glob("*.json")) if facts_dir.is_dir() else []:
         data = json.loads(path.read_text())
