@@ -1,7 +1,9 @@
 """Atomic shard publication: a final `.pt` name never points to a partial file.
 
 Protocol per sample: temp name in the shard's own directory -> torch.save -> fsync -> rename
--> fsync the directory -> append one line to the index (and fsync it). A crash at any point
+-> fsync the directory -> append one line to the index (and fsync it). The index's checksum is
+the CRC32 of the whole file, read back after the fsync (the same bytes `full` verification
+checksums); torch.save writes by path, so its C++ writer does not hold the GIL. A crash at any point
 leaves either no final file, or a complete fsynced one that the index may not list yet (the
 verifier reports it as unindexed). Temp names start with '.' and end in '.tmp', so nothing
 that looks for `.pt` files ever sees one.
@@ -9,8 +11,13 @@ that looks for `.pt` files ever sees one.
 
 from __future__ import annotations
 
+import atexit
 import errno
+import gc
+import io
 import os
+import shutil
+import tempfile
 import threading
 import zlib
 from typing import Any
@@ -40,27 +47,48 @@ class ManifestMismatchError(ManifestError):
         super().__init__(f"{output_dir} holds a different run: " + "; ".join(mismatches))
 
 
-class _CrcFile:
-    """A write-only file wrapper that sees every byte torch.save writes: size and CRC32 for free."""
+_READ_CHUNK = 4 << 20  # read-back buffer for the checksum: zlib.crc32 releases the GIL above 5 KiB
+_tls = threading.local()  # one reusable read-back buffer per writer thread
+
+
+class _WriteErrorFile:
+    """A write-only file wrapper that keeps the first OSError a write raised (torch wraps it)."""
 
     def __init__(self, f: Any):
         self.f = f
-        self.crc = 0
-        self.size = 0
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
-            written = self.f.write(data)
+            return self.f.write(data)
         except OSError as e:
             self.error = e
             raise
-        self.crc = zlib.crc32(data, self.crc)
-        self.size += len(data)
-        return written
 
     def flush(self) -> None:
         self.f.flush()
+
+
+def file_crc32(path: str) -> tuple[int, int]:
+    """(size, CRC32) of a whole file: the index's checksum, as `full` verification computes it.
+
+    Large chunks into a reused buffer; zlib.crc32 and the reads run with the GIL released, and
+    the bytes of a file just written come from the page cache."""
+    buf = getattr(_tls, "buf", None)
+    if buf is None:
+        buf = _tls.buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    crc = pos = 0
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        while True:
+            n = os.preadv(fd, [view], pos)
+            if n <= 0:
+                return pos, crc
+            crc = zlib.crc32(view[:n], crc)
+            pos += n
+    finally:
+        os.close(fd)
 
 
 def _is_disk_full(exc: BaseException | None) -> bool:
@@ -106,6 +134,7 @@ class ShardWriter:
         self._dtype = getattr(torch, manifest.dtype)
         self._lock = threading.Lock()
         self._known_dirs: set[str] = set()
+        self._by_path = True  # off after a by-path save failed where a file-object save worked
         os.makedirs(os.path.join(self.output_dir, fmt.SHARDS_DIR), exist_ok=True)
         if os.path.exists(os.path.join(self.output_dir, fmt.MANIFEST_NAME)):
             existing = read_manifest(self.output_dir)
@@ -219,25 +248,94 @@ class ShardWriter:
         return open(path, "xb")
 
     def _write_atomically(self, payload: dict[str, torch.Tensor], final: str) -> tuple[int, int]:
+        """temp -> torch.save -> fsync -> checksum read back -> rename -> fsync dir; (size, crc)."""
         directory, name = os.path.split(final)
         tmp = os.path.join(directory, fmt.temp_name(name))
-        wrapper = None
+        wrapper = _WriteErrorFile(None)  # keeps the OSError of a write through a file object
         try:
-            with self._open_temp(tmp) as f:
-                wrapper = _CrcFile(f)
-                torch.save(payload, wrapper)
-                f.flush()
-                os.fsync(f.fileno())
+            done = self._save_temp(payload, tmp, wrapper, by_path=self._by_path)
+            if not done:
+                # torch's C++ writer failed: its errors carry no errno, and it may still hold the
+                # file open. Write a new temp through a file object, whose OSError says what went
+                # wrong (ENOSPC -> DiskFullError), or which succeeds.
+                fmt._unlink_quiet(tmp)
+                gc.collect()  # close the failed writer's file now: its space counts on a full disk
+                tmp = os.path.join(directory, fmt.temp_name(name))
+                self._save_temp(payload, tmp, wrapper, by_path=False)
+                self._by_path = False  # not a full disk: something about this host; stop trying
+            # The index checksum is the CRC32 of the bytes on disk, read back (from the page cache).
+            size, crc = file_crc32(tmp)
             os.replace(tmp, final)
             fmt.fsync_dir(directory)
         except BaseException as e:
             fmt._unlink_quiet(tmp)
-            cause = wrapper.error if wrapper is not None and wrapper.error is not None else e
+            cause = wrapper.error if wrapper.error is not None else e
             if _is_disk_full(cause) or _is_disk_full(e):
                 code = getattr(cause, "errno", None) or errno.ENOSPC
                 raise DiskFullError(code, f"disk full while writing {final}: {cause}") from e
             raise
-        return wrapper.size, wrapper.crc
+        return size, crc
+
+    def _save_temp(
+        self, payload: dict[str, torch.Tensor], tmp: str, wrapper: _WriteErrorFile, by_path: bool
+    ) -> bool:
+        """Create `tmp` exclusively, torch.save into it and fsync it; False when saving by path
+        failed (the caller retries through a file object). Other errors raise."""
+        with self._open_temp(tmp) as f:
+            if by_path and _is_real_file(f, tmp):
+                try:
+                    # By path, torch's C++ writer writes the records with the GIL released
+                    # (through a file object it takes the GIL for every write call).
+                    _save_by_path(payload, tmp)
+                    # It never checks its last flush: a lost tail shows as a missing zip directory.
+                    _check_complete(tmp)
+                except Exception:
+                    return False
+            else:
+                wrapper.f = f
+                torch.save(payload, wrapper)
+                f.flush()
+            os.fsync(f.fileno())
+        return True
+
+
+def _link_dir() -> str:
+    """This thread's private directory for the `archive` link (see _save_by_path)."""
+    pid, d = getattr(_tls, "link_dir", (None, ""))
+    if pid != os.getpid():  # first use in this thread, or a forked child: a directory of its own
+        d = tempfile.mkdtemp(prefix="hsx-save-")
+        _tls.link_dir = (os.getpid(), d)
+        atexit.register(shutil.rmtree, d, True)
+    return d
+
+
+def _save_by_path(payload: dict[str, torch.Tensor], path: str) -> None:
+    """torch.save(payload, path), through a link named `archive` in a private directory.
+
+    torch.save by path names the zip's records after the file (`<name>/data.pkl`); through a
+    file object they are `archive/...`. Saving through a link called `archive` keeps the bytes
+    identical to a file-object save (stable names: the `quick` layout memo and byte-identical
+    reruns rely on them) while torch writes the file itself with the GIL released."""
+    link = os.path.join(_link_dir(), "archive")
+    os.symlink(os.path.abspath(path), link)
+    try:
+        torch.save(payload, link)
+    finally:
+        os.unlink(link)
+
+
+def _is_real_file(f: Any, path: str) -> bool:
+    """`f` is the plain file just opened at `path` (not a test's wrapper or another file)."""
+    return isinstance(f, io.BufferedWriter) and getattr(f, "name", None) == path
+
+
+def _check_complete(path: str) -> None:
+    """The file ends in a zip directory that lies inside it (format's own parser); ShardBad else."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fmt.read_zip_records(fmt._Reader(fd, os.fstat(fd).st_size))
+    finally:
+        os.close(fd)
 
 
 def remove_orphan_temps(output_dir: str | os.PathLike[str]) -> int:

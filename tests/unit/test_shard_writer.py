@@ -198,3 +198,49 @@ def test_republish_replaces_atomically(tmp_path):
     w, (e1,) = make_run(tmp_path, n=1)
     e2 = w.publish("s000", **tensors(7, seed=9))
     assert e2.path == e1.path and e2.num_tokens == 7 and load_index(tmp_path)["s000"] == e2
+
+
+def _file_object_bytes(w, sid="s", length=7, seed=3):
+    import io
+
+    t = tensors(length, seed=seed)
+    buf = io.BytesIO()
+    torch.save(
+        w.build_payload(sid, t["input_ids"], t["loss_mask"], t["hidden_state"], t["aux_hidden_state"]), buf
+    )
+    return t, buf.getvalue()
+
+
+def test_saved_by_path_the_bytes_equal_a_file_object_save(tmp_path):
+    # torch.save writes the file itself (GIL released) through a link named `archive`, so the
+    # records keep the names a file-object save gives them, and the checksum is read back.
+    w = ShardWriter(tmp_path, manifest())
+    t, want = _file_object_bytes(w)
+    entry = w.publish("s", **t)
+    got = (tmp_path / entry.path).read_bytes()
+    assert got == want and w._by_path
+    assert entry.size == len(got) and entry.checksum == fmt.checksum_string(__import__("zlib").crc32(got))
+    assert fmt.check_shard(
+        str(tmp_path / entry.path), fmt.Expect.from_manifest(manifest().to_dict()), "full", entry
+    )
+    link_dir = writer_mod._link_dir()
+    assert os.listdir(link_dir) == []  # the link is gone after each save
+
+
+@pytest.mark.parametrize("failure", ["raises", "loses_its_tail"])
+def test_a_failed_save_by_path_is_redone_through_a_file_object(tmp_path, monkeypatch, failure):
+    w = ShardWriter(tmp_path, manifest())
+    t, want = _file_object_bytes(w)
+    real = writer_mod._save_by_path
+
+    def broken(payload, path):
+        if failure == "raises":
+            raise RuntimeError("PytorchStreamWriter failed writing file data/3: file write failed")
+        real(payload, path)
+        os.truncate(path, os.path.getsize(path) - 30)  # the unchecked last flush lost the tail
+
+    monkeypatch.setattr(writer_mod, "_save_by_path", broken)
+    entry = w.publish("s", **t)
+    assert (tmp_path / entry.path).read_bytes() == want and not w._by_path
+    assert fmt.find_orphan_temps(str(tmp_path)) == [] and load_index(tmp_path) == {"s": entry}
+    w.publish("s2", **tensors(4))  # later shards go straight through a file object
