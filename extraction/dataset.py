@@ -8,6 +8,7 @@ be used become `RowError`s (line number + reason) and the run goes on without th
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from extraction.backends.base import Sample
@@ -227,26 +229,86 @@ class ChatTokenizer:
     generation prompt (ends where the assistant text starts) and with the turn itself (ends after
     its closing tokens, which the drafter must learn too). Templates that rewrite earlier turns
     fall back to finding the content text itself.
+
+    Runs on the runner's tokenizer thread beside the forward pass, so it keeps its time under the
+    GIL short: a conversation's prefixes are rendered in two batched template calls, a fast
+    tokenizer's Rust backend is called directly (`encode_batch` releases the GIL; the
+    transformers wrapper around it is Python), and the loss mask is computed on tensors. The
+    direct call is trusted only after it gave exactly what `tokenizer(...)` gives on the first
+    text; otherwise the wrapper is used throughout.
     """
 
     def __init__(self, tokenizer: Any, max_length: int | None = None):
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.use_offsets = bool(getattr(tokenizer, "is_fast", False))
+        backend = getattr(tokenizer, "_tokenizer", None) if self.use_offsets else None
+        self._backend = backend if callable(getattr(backend, "encode_batch", None)) else None
+        self._backend_checked = False
+        self._batched_render = True
+        self._render_checked = False
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def assistant_spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+    def render_many(
+        self, conversations: list[list[dict[str, str]]], add_generation_prompt: bool
+    ) -> list[str]:
+        """render() of each conversation, in one batched template call where the tokenizer has
+        one (checked against single renders the first time)."""
+        if not conversations:
+            return []
+        if self._batched_render:
+            try:
+                out = self.tokenizer.apply_chat_template(
+                    conversations, tokenize=False, add_generation_prompt=add_generation_prompt
+                )
+            except Exception:  # a row the template refuses (raised again below), or no batches
+                out = None
+            ok = (
+                isinstance(out, list)
+                and len(out) == len(conversations)
+                and all(isinstance(t, str) for t in out)
+            )
+            if ok and self._render_checked:
+                return out
+            singles = [self.render(c, add_generation_prompt) for c in conversations]  # a row's own error
+            self._batched_render = ok and out == singles
+            self._render_checked = True
+            return singles
+        return [self.render(c, add_generation_prompt) for c in conversations]
+
+    def _render_all(self, messages: list[dict[str, str]]) -> tuple[str, dict[int, str], dict[int, str]]:
+        """(whole conversation, {k: render(messages[:k], gen prompt)}, {k: render(messages[:k+1])})
+        for the assistant turns k: every render assistant_spans needs, in two template calls."""
+        turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        n = len(messages)
+        before_ks = [k for k in turns if k]
+        befores = dict(zip(before_ks, self.render_many([messages[:k] for k in before_ks], True), strict=True))
+        upto_ks = [k for k in turns if k + 1 < n]  # messages[:n] is the whole conversation
+        rendered = self.render_many([messages[: k + 1] for k in upto_ks] + [messages], False)
+        text = rendered[-1]
+        uptos = dict(zip(upto_ks, rendered[:-1], strict=True))
+        if turns and turns[-1] == n - 1:
+            uptos[n - 1] = text
+        return text, befores, uptos
+
+    def assistant_spans(
+        self,
+        messages: list[dict[str, str]],
+        text: str,
+        rendered: tuple[dict[int, str], dict[int, str]] | None = None,
+    ) -> list[tuple[int, int]]:
+        befores, uptos = rendered if rendered is not None else self._render_all(messages)[1:]
         spans = []
         cursor = 0
         for k, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = self.render(messages[:k], add_generation_prompt=True) if k else ""
-            upto = self.render(messages[: k + 1])
+            before = befores[k] if k else ""
+            upto = uptos[k]
             if k and text.startswith(before) and text.startswith(upto) and len(before) >= cursor:
                 spans.append((len(before), len(upto)))
                 cursor = len(upto)
@@ -258,13 +320,25 @@ class ChatTokenizer:
             cursor = pos + len(m["content"])
         return spans
 
+    def _ids_and_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        if self._backend is not None and self._backend_checked:
+            enc = self._backend.encode_batch([text], add_special_tokens=False)[0]
+            return enc.ids, enc.offsets
+        ref = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(ref["input_ids"]), [tuple(o) for o in ref["offset_mapping"]]
+        if self._backend is not None:  # first text: the wrapper has configured the backend; compare
+            enc = self._backend.encode_batch([text], add_special_tokens=False)[0]
+            if list(enc.ids) != ids or [tuple(o) for o in enc.offsets] != offsets:
+                self._backend = None
+            self._backend_checked = True
+        return ids, offsets
+
     def encode(self, conv: Conversation) -> Sample:
-        text = self.render(conv.messages)
-        spans = self.assistant_spans(conv.messages, text)
+        text, befores, uptos = self._render_all(conv.messages)
+        spans = self.assistant_spans(conv.messages, text, (befores, uptos))
         if self.use_offsets:
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids = list(enc["input_ids"])
-            mask = [int(any(s < e1 and e > s1 for s1, e1 in spans)) for s, e in enc["offset_mapping"]]
+            ids, offsets = self._ids_and_offsets(text)
+            mask_t = _span_mask(offsets, spans)
         else:  # slow tokenizers have no offsets: tokenize piece by piece at span boundaries
             ids, mask, pos = [], [], 0
             for s1, e1 in spans + [(len(text), len(text))]:
@@ -274,16 +348,30 @@ class ChatTokenizer:
                         ids += got
                         mask += [flag] * len(got)
                 pos = e1
+            mask_t = torch.tensor(mask, dtype=torch.long)
         full = len(ids)
         truncated = self.max_length is not None and full > self.max_length
         if truncated:
-            ids, mask = ids[: self.max_length], mask[: self.max_length]
+            ids, mask_t = ids[: self.max_length], mask_t[: self.max_length].clone()
         if not ids:
             raise ValueError("the chat template produced no tokens")
         return Sample(
             sample_id=conv.sample_id,
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            loss_mask=torch.tensor(mask, dtype=torch.long),
+            input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)),
+            loss_mask=mask_t,
             truncated=truncated,
             meta={"line": conv.line, "num_tokens_full": full},
         )
+
+
+def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> torch.Tensor:
+    """1 for each token whose character range [s, e) overlaps a span [s1, e1): s < e1 and e > s1."""
+    if not offsets:
+        return torch.zeros(0, dtype=torch.long)
+    flat = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
+    off = torch.from_numpy(flat).view(-1, 2)  # ~4x cheaper than torch.tensor(list of tuples)
+    start, end = off[:, 0], off[:, 1]
+    mask = torch.zeros(len(offsets), dtype=torch.bool)
+    for s1, e1 in spans:
+        mask |= (start < e1) & (end > s1)
+    return mask.long()

@@ -146,3 +146,81 @@ def test_hashes_follow_content(tmp_path: Path, tiny_model_dir: Path) -> None:
     h = tokenizer_hash(tiny_model_dir)
     assert len(h) == 64 and h == tokenizer_hash(tiny_model_dir)
     assert tokenizer_hash(tmp_path) != h
+
+
+def _reference_encode(tok, conv: Conversation, max_length: int | None) -> tuple[list[int], list[int], bool]:
+    """The tokenizer thread's first algorithm, kept as the oracle: one template render per prefix,
+    the transformers wrapper, a per-token Python loop for the mask."""
+
+    def render(messages, gen=False):
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+    messages = conv.messages
+    text = render(messages)
+    spans, cursor = [], 0
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render(messages[:k], True) if k else ""
+        upto = render(messages[: k + 1])
+        if k and text.startswith(before) and text.startswith(upto) and len(before) >= cursor:
+            spans.append((len(before), len(upto)))
+            cursor = len(upto)
+            continue
+        pos = text.find(m["content"], cursor)
+        spans.append((pos, pos + len(m["content"])))
+        cursor = pos + len(m["content"])
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    mask = [int(any(s < e1 and e > s1 for s1, e1 in spans)) for s, e in enc["offset_mapping"]]
+    truncated = max_length is not None and len(ids) > max_length
+    if truncated:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return ids, mask, truncated
+
+
+def _odd_conversations() -> list[Conversation]:
+    shapes = [
+        MSGS,
+        [{"role": "assistant", "content": "I speak first."}, {"role": "user", "content": "ok"}],
+        [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "more?"},
+        ],
+        [{"role": "assistant", "content": "x"}, {"role": "assistant", "content": "x"}],  # content repeated
+        [{"role": "user", "content": "é ✓ 日本"}, {"role": "assistant", "content": "ünï ✓ <|end|> 語"}],
+    ]
+    return [Conversation(f"odd{i}", m, i + 1) for i, m in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("max_length", [None, 64])
+def test_fast_paths_give_the_reference_ids_and_masks(tmp_path: Path, tok, max_length) -> None:
+    # Batched renders, the Rust backend called directly and the tensor mask must change nothing.
+    from extraction.tiny import write_tiny_dataset
+
+    ds = write_tiny_dataset(tmp_path / "d.jsonl", 300, seed=4)
+    convs = list(read_conversations(ds, scan_dataset(ds).entries)) + _odd_conversations()
+    ct = ChatTokenizer(tok, max_length=max_length)
+    for conv in convs:
+        s = ct.encode(conv)
+        ids, mask, truncated = _reference_encode(tok, conv, max_length)
+        assert s.input_ids.tolist() == ids, conv.sample_id
+        assert s.loss_mask.tolist() == mask, conv.sample_id
+        assert s.loss_mask.dtype == s.input_ids.dtype == __import__("torch").long
+        assert s.truncated == truncated and s.loss_mask.untyped_storage().nbytes() == 8 * len(mask)
+    assert ct._backend is not None and ct._backend_checked and ct._batched_render  # the fast paths ran
+
+
+def test_a_backend_that_disagrees_is_not_used(tok) -> None:
+    class Wrong:
+        def encode_batch(self, texts, add_special_tokens=False):
+            return [type("E", (), {"ids": [0], "offsets": [(0, 1)]})() for _ in texts]
+
+    ct = ChatTokenizer(tok)
+    ct._backend = Wrong()
+    conv = Conversation("x", MSGS, 1)
+    s = ct.encode(conv)
+    ids, mask, _ = _reference_encode(tok, conv, None)
+    assert ct._backend is None and s.input_ids.tolist() == ids and s.loss_mask.tolist() == mask
+    assert ct.encode(conv).input_ids.tolist() == ids
