@@ -14,6 +14,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LAB = REPO / "tests" / "lab" / "lab.py"
 BIN = Path(sys.executable).parent
+# The lab's wheelhouse (inventory/lab/group_vars/all/main.yml: hsx_wheelhouse).
+WHEELHOUSE = REPO / ".cache" / "wheelhouse"
 
 
 def host(index: int) -> str:

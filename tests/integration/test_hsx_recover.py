@@ -14,10 +14,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from labctl import BIN, REPO, lab, playbook
+from labctl import BIN, REPO, WHEELHOUSE, lab, playbook
 
 PREFIX = f"hsxlab{os.environ.get('HSX_LAB_ID', '')}"
 PLAIN, VIA_HSX, CUT = (f"{PREFIX}-{i}" for i in (1, 2, 3))
@@ -86,8 +85,7 @@ def planted():
         run = playbook("tests/plays/plant_incident.yml")
         assert run.rc == 0, run.output[-3000:]
         # Built now, so that neither recovery below counts a wheelhouse rebuild the other does not.
-        subprocess.run([str(BIN / "hsx"), "wheelhouse", str(Path.home() / ".cache" / "hsx" / "wheelhouse")],
-                       check=True, capture_output=True)
+        subprocess.run([str(BIN / "hsx"), "wheelhouse", str(WHEELHOUSE)], check=True, capture_output=True)
         yield
     finally:
         lab("down", check=False)

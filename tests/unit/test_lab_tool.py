@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,8 @@ def test_inventory_lists_no_hosts_when_none_run(tmp_path, monkeypatch):
 
 def test_host_names_and_addresses_are_prefixed_and_distinct():
     hosts = [lab.Host.make(i, "rw", "512M") for i in range(1, 9)]
-    assert all(h.name.startswith("hsxlab-") for h in hosts)
+    # HSX_LAB_ID (a parallel lab, e.g. make test's molecule lane) goes into every name.
+    assert lab.PREFIX == f"hsxlab{os.environ.get('HSX_LAB_ID', '')}"
+    assert [h.name for h in hosts] == [f"{lab.PREFIX}-{i}" for i in range(1, 9)]
     assert len({h.address for h in hosts}) == 8
     assert all(len(h.veth) <= 15 for h in hosts)  # kernel limit on interface names
