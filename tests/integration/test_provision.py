@@ -1,0 +1,84 @@
+"""playbooks/provision.yml on 2 bare lab hosts (sglang backend), then a re-run that changes nothing.
+
+The hosts start from the bare rootfs with what a real node has before we touch it: the model, the
+dataset and an SGLang release (tests/plays/plant_sglang.yml). Provisioning must leave the extraction
+venv, the patched SGLang, and the server and job units installed but not started.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from labctl import BIN, lab, lab_ssh, playbook
+from labctl import host as lab_host
+
+HOSTS = [lab_host(1), lab_host(2)]
+LAB_VARS = "@tests/plays/files/sglang_lab.yml"
+PATCHED = "/opt/sglang/venv/lib/python3.11/site-packages/sglang/srt/models/deepseek_v2.py"
+UNITS = "hsx-sglang-server.service hsx-extraction.service"
+
+
+@pytest.fixture(scope="module")
+def provisioned(tmp_path_factory):
+    # A private copy of the wheelhouse, frozen for both runs: in a shared checkout another edit of
+    # extraction/ (or another lab's run) between the two runs would rightly make the second one
+    # install a new build. The wheelhouse build itself is the extraction_deploy tests' concern.
+    shared = Path.home() / ".cache/hsx/wheelhouse"  # the extraction_deploy role's default
+    subprocess.run([str(BIN / "hsx"), "wheelhouse", str(shared)], check=True, capture_output=True)
+    wheels = tmp_path_factory.mktemp("wheelhouse") / "w"
+    shutil.copytree(shared, wheels)
+    frozen = ("-e", f"hsx_wheelhouse={wheels}", "-e", "extraction_deploy_build_wheelhouse=false")
+    lab("up", "2", "--data-size", "1G")
+    try:
+        planted = playbook("tests/plays/plant_sglang.yml", "-e", LAB_VARS)
+        assert planted.rc == 0, planted.output[-3000:]
+        reports = tmp_path_factory.mktemp("reports")
+        first = playbook("playbooks/provision.yml", "-e", LAB_VARS, "-e", f"hsx_report_dir={reports}", *frozen)
+        yield first, reports, frozen
+    finally:
+        lab("down", check=False)
+
+
+def test_provision_installs_everything_and_starts_nothing(provisioned):
+    first, reports, _ = provisioned
+    assert first.rc == 0, first.output[-4000:]
+    for host in HOSTS:
+        assert first.recap()[host]["failed"] == 0
+        helped = lab_ssh(host, "/opt/hsx/venv/bin/hsx --help")
+        assert helped.returncode == 0 and "extract" in helped.stdout, helped.stderr[-500:]
+        for path in ("/opt/hsx/venv/bin/python", "/opt/hsx/wheelhouse/wheelhouse.json", "/etc/hsx/extract.yaml",
+                     "/data/hsx/dumps", f"{PATCHED}", "/opt/sglang/venv/lib/python3.11/site-packages/sglang/hsx_dump_hook.py"):
+            assert lab_ssh(host, f"test -e {path}").returncode == 0, f"{host}: {path} missing"
+        config = lab_ssh(host, "cat /etc/hsx/extract.yaml").stdout
+        assert "backend: sglang" in config and "server_url: http://127.0.0.1:30000" in config, config
+        assert lab_ssh(host, f"grep -c '# >>> hsx-patch hsx-sglang-dump block=.* v=2 ' {PATCHED}").stdout.strip() == "2"
+        loaded = lab_ssh(host, f"systemctl show -p LoadState --value {UNITS}").stdout.split()
+        active = lab_ssh(host, f"systemctl is-active {UNITS}").stdout.split()
+        enabled = lab_ssh(host, f"systemctl is-enabled {UNITS}").stdout.split()
+        assert loaded == ["loaded", "loaded"] and active == ["inactive", "inactive"], (host, loaded, active)
+        assert enabled == ["disabled", "disabled"], (host, enabled)
+    summary = next(reports.glob("*-provision/summary.md")).read_text()
+    assert "# Provisioning report" in summary and "2 of 2 hosts ok." in summary, summary
+
+
+def changed_tasks(output: str) -> list[str]:
+    """'TASK name: host' for every task that reported changed."""
+    found, task = [], "?"
+    for line in output.splitlines():
+        if line.startswith("TASK ["):
+            task = line[6:line.rfind("]")]
+        elif line.startswith("changed: ["):
+            found.append(f"{task}: {line[10:line.index(']')]}")
+    return found
+
+
+def test_second_run_changes_nothing(provisioned):
+    _, reports, frozen = provisioned
+    second = playbook("playbooks/provision.yml", "-e", LAB_VARS, "-e", f"hsx_report_dir={reports}", *frozen)
+    recap = second.recap()
+    assert second.rc == 0, second.output[-4000:]
+    for host in HOSTS:
+        assert recap[host]["changed"] == 0 and recap[host]["failed"] == 0, changed_tasks(second.output)
