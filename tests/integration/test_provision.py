@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
-from labctl import BIN, lab, lab_ssh, playbook
+from labctl import BIN, WHEELHOUSE, lab, lab_ssh, playbook
 from labctl import host as lab_host
 
 HOSTS = [lab_host(1), lab_host(2)]
@@ -26,7 +25,7 @@ def provisioned(tmp_path_factory):
     # A private copy of the wheelhouse, frozen for both runs: in a shared checkout another edit of
     # extraction/ (or another lab's run) between the two runs would rightly make the second one
     # install a new build. The wheelhouse build itself is the extraction_deploy tests' concern.
-    shared = Path.home() / ".cache/hsx/wheelhouse"  # the extraction_deploy role's default
+    shared = WHEELHOUSE  # the lab inventory's (hsx_wheelhouse)
     subprocess.run([str(BIN / "hsx"), "wheelhouse", str(shared)], check=True, capture_output=True)
     wheels = tmp_path_factory.mktemp("wheelhouse") / "w"
     shutil.copytree(shared, wheels)
