@@ -1,0 +1,169 @@
+"""playbooks/rollout_patch.yml on 4 real lab hosts running the sglang backend.
+
+One lab for the module: 4 hosts get a real SGLang release (its files, no dependencies), the model
+and dataset, and are provisioned by playbooks/provision.yml with the server and job started (the
+server is the TEST-ONLY stand-in, which runs the patch and hook of the installed SGLang, so a patch
+that breaks the model breaks the server). Then, in order: --check (the plan, nothing changes); a
+normal rollout v2 -> v3; a v4 whose canary fails (no other host touched); a v4 that fails on the
+second batch's host (reverted to v3; the canary keeps v4; the rest untouched).
+
+New versions are revisions of the project's patch (extraction/sglang/patchdef.py, imported) whose
+init block fails on hosts holding /etc/hsx-test/fail-v<N> - a deliberately broken version there.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from labctl import host as lab_host
+from labctl import lab, lab_ssh, playbook
+
+from extraction.sglang.patchdef import SGLANG_DUMP_PATCH
+
+HOSTS = [lab_host(i) for i in range(1, 5)]
+LAB_VARS = "@tests/plays/files/sglang_lab.yml"
+PATCHED = "/opt/sglang/venv/lib/python3.11/site-packages/sglang/srt/models/deepseek_v2.py"
+HSX = "/opt/hsx/venv/bin/hsx"
+
+
+def revision(version: str, tmp: Path) -> str:
+    """-e @file holding the project's patch as version `version`, failing where fail-v<version> exists."""
+    patch = copy.deepcopy(SGLANG_DUMP_PATCH)
+    patch["version"] = version
+    patch["description"] += f" (TEST revision v{version})"
+    patch["blocks"][0]["code"].insert(
+        0, f'assert not __import__("os").path.exists("/etc/hsx-test/fail-v{version}"), '
+        f'"TEST patch v{version} fails on this host on purpose"')
+    path = tmp / f"patch-v{version}.json"
+    path.write_text(json.dumps({"rollout_patch_definition": patch}))
+    return f"@{path}"
+
+
+def rollout(reports: Path, *extra: str):
+    run = playbook("playbooks/rollout_patch.yml", "-e", LAB_VARS, "-e", f"hsx_report_dir={reports}", *extra)
+    report_dir = sorted(p for p in reports.iterdir() if p.name.endswith("-rollout"))[-1]
+    hosts = {h: json.loads((report_dir / f"{h}.json").read_text()) for h in HOSTS}
+    return run, hosts, (report_dir / "summary.md").read_text()
+
+
+def state(host: str) -> dict:
+    """What runs on the host: patch version in the file and in the running server, unit invocations."""
+    script = (
+        f"grep -o 'hsx-patch hsx-sglang-dump block=init v=[^ ]*' {PATCHED} | sed 's/.*v=//'; "
+        "python3 -c \"import urllib.request as u\ntry: print(u.urlopen('http://127.0.0.1:30000/hsx_patch').read().decode())"
+        "\nexcept Exception as e: print('{\\\"version\\\": \\\"down: %s\\\"}' % type(e).__name__)\"; "
+        "systemctl show -p InvocationID --value hsx-sglang-server hsx-extraction; "
+        f"stat -c %Y {PATCHED}; {HSX} status /data/hsx/output --json"
+    )
+    out = [line for line in lab_ssh(host, script).stdout.splitlines() if line.strip()]  # show: blank between units
+    status = json.loads("\n".join(out[5:]))["outputs"][0]
+    return {"file": out[0], "server": json.loads(out[1])["version"], "server_id": out[2], "job_id": out[3],
+            "mtime": out[4], "done": status["done"], "state": status["state"]}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    lab("up", "4", "--data-size", "1G")
+    try:
+        planted = playbook("tests/plays/plant_sglang.yml", "-e", LAB_VARS)
+        assert planted.rc == 0, planted.output[-3000:]
+        provisioned = playbook("playbooks/provision.yml", "-e", LAB_VARS, "-e", "hsx_start=true")
+        assert provisioned.rc == 0, provisioned.output[-3000:]
+        yield tmp_path_factory.mktemp("rollout")
+    finally:
+        for h in HOSTS:  # the jobs' graceful stop would make `lab down` wait for their in-flight samples
+            lab_ssh(h, "systemctl kill --signal=SIGKILL hsx-extraction hsx-sglang-server")
+        lab("down", check=False)
+
+
+def test_check_shows_the_plan_and_changes_nothing(fleet):
+    before = {h: state(h) for h in HOSTS}
+    run, hosts, _ = rollout(fleet, "--check", "-e", revision("3", fleet))
+    assert run.rc == 0, run.output[-4000:]
+    assert f"Plan, batch 1 (canary): {HOSTS[0]} v2 -> v3" in run.output
+    assert f"Plan, batch 2 (1 hosts): {HOSTS[1]} v2 -> v3" in run.output
+    # (the recap counts what WOULD change in check mode; what did not change is read from the hosts)
+    assert all(run.recap()[h]["failed"] == 0 for h in HOSTS), run.output[-3000:]
+    for h in HOSTS:
+        assert hosts[h]["after"]["rollout"]["outcome"] == "planned"
+        after = state(h)
+        assert {k: after[k] for k in ("file", "server", "server_id", "job_id", "mtime")} == \
+               {k: before[h][k] for k in ("file", "server", "server_id", "job_id", "mtime")}, h
+        assert after["file"] == after["server"] == "2"
+
+
+def test_a_real_run_needs_the_confirmation(fleet):
+    run = playbook("playbooks/rollout_patch.yml", "-e", LAB_VARS, "-e", f"hsx_report_dir={fleet}")
+    assert run.rc != 0
+    assert "confirm with -e rollout_patch_confirm=yes" in run.output
+    assert all(state(h)["file"] == "2" for h in HOSTS[:1])
+
+
+def test_normal_rollout_updates_every_host_and_resumes_the_jobs(fleet):
+    before = {h: state(h) for h in HOSTS}
+    assert all(b["state"] == "running" for b in before.values()), before
+    run, hosts, summary = rollout(fleet, "-e", revision("3", fleet), "-e", "rollout_patch_confirm=yes",
+                                  "-e", '{"rollout_patch_serial": [1, "100%"]}')
+    assert run.rc == 0, run.output[-4000:]
+    assert f"Batch 2 (3 hosts): {HOSTS[1]} v2 -> v3" in run.output
+    for h in HOSTS:
+        after = state(h)
+        assert after["file"] == after["server"] == "3", (h, after)
+        assert after["server_id"] != before[h]["server_id"], f"{h}: server not restarted"
+        assert after["job_id"] != before[h]["job_id"] and after["state"] == "running", (h, after)
+        assert after["done"] >= before[h]["done"], (h, before[h], after)
+        assert hosts[h]["ok"] and hosts[h]["after"]["rollout"]["outcome"] == "updated", hosts[h]
+        assert f"- {h}: runs v3 (updated; was v2, target v3)" in summary
+        verify = lab_ssh(h, f"{HSX} verify /data/hsx/output --level quick --json")
+        assert verify.returncode == 0 and json.loads(verify.stdout)["ok"] >= before[h]["done"], verify.stdout[-500:]
+    # Hosts already on the version are left alone: a re-run changes nothing.
+    again, hosts, _ = rollout(fleet, "-e", revision("3", fleet), "-e", "rollout_patch_confirm=yes")
+    assert again.rc == 0 and all(again.recap()[h]["changed"] == 0 for h in HOSTS), again.output[-3000:]
+    assert all(hosts[h]["after"]["rollout"]["outcome"] == "already on v3" for h in HOSTS)
+
+
+def test_failed_canary_is_reverted_and_no_other_host_is_touched(fleet):
+    lab_ssh(HOSTS[0], "mkdir -p /etc/hsx-test && touch /etc/hsx-test/fail-v4")
+    before = {h: state(h) for h in HOSTS}
+    prev = before[HOSTS[0]]["file"]  # v3 after the normal rollout
+    run, hosts, summary = rollout(fleet, "-e", revision("4", fleet), "-e", "rollout_patch_confirm=yes")
+    lab_ssh(HOSTS[0], "rm -f /etc/hsx-test/fail-v4")
+    assert run.rc != 0
+    canary = state(HOSTS[0])
+    assert canary["file"] == canary["server"] == prev and canary["state"] == "running", (canary, run.output[-3000:])
+    assert hosts[HOSTS[0]]["failed_step"] == "server" and "fails on this host on purpose" in hosts[HOSTS[0]]["reason"]
+    assert hosts[HOSTS[0]]["after"]["rollout"]["outcome"] == f"reverted to v{prev}"
+    for h in HOSTS[1:]:
+        after = state(h)
+        assert {k: after[k] for k in ("file", "server", "server_id", "job_id", "mtime")} == \
+               {k: before[h][k] for k in ("file", "server", "server_id", "job_id", "mtime")}, h
+        assert hosts[h]["after"]["rollout"]["outcome"].startswith("not touched (rollout stopped:")
+    assert f"The rollout stopped: {HOSTS[0]} failed in batch 1." in summary
+    assert f"- {HOSTS[0]}: runs v{prev} (reverted to v{prev}; was v{prev}, target v4)" in summary
+
+
+def test_failure_in_the_second_batch_stops_the_rollout(fleet):
+    lab_ssh(HOSTS[1], "mkdir -p /etc/hsx-test && touch /etc/hsx-test/fail-v4")
+    before = {h: state(h) for h in HOSTS}
+    prev = before[HOSTS[1]]["file"]
+    run, hosts, summary = rollout(fleet, "-e", revision("4", fleet), "-e", "rollout_patch_confirm=yes")
+    assert run.rc != 0
+    recap = run.recap()
+    assert recap[HOSTS[1]]["failed"] == 1 and recap[HOSTS[0]]["failed"] == 0, run.output[-3000:]
+    first, second = state(HOSTS[0]), state(HOSTS[1])
+    assert first["file"] == first["server"] == "4" and first["state"] == "running", (first, run.output[-3000:])
+    assert second["file"] == second["server"] == prev and second["state"] == "running", (second, run.output[-3000:])
+    assert second["server_id"] != before[HOSTS[1]]["server_id"], "the failed host's server was not restarted"
+    for h in HOSTS[2:]:
+        after = state(h)
+        assert (after["file"], after["server_id"], after["job_id"], after["mtime"]) == \
+               (before[h]["file"], before[h]["server_id"], before[h]["job_id"], before[h]["mtime"]), h
+    assert f"- {HOSTS[0]}: runs v4 (updated; was v{prev}, target v4)" in summary
+    assert f"- {HOSTS[1]}: runs v{prev} (reverted to v{prev}; was v{prev}, target v4)" in summary
+    for h in HOSTS[2:]:
+        assert f"- {h}: runs v{prev} (not touched (rollout stopped: {HOSTS[1]} failed in batch 2)" in summary
+    assert f"The rollout stopped: {HOSTS[1]} failed in batch 2." in summary
+    assert hosts[HOSTS[1]]["failed_step"] == "server"
