@@ -21,9 +21,9 @@ import pytest
 from labctl import host as lab_host
 from labctl import lab, lab_ssh, playbook
 
-pytestmark = pytest.mark.skip(reason="~27 min on the lab and never green in one run yet (issue 9): run by hand with HSX_LAB_ID=3 pytest tests/integration/test_rollout.py")
-
 from extraction.sglang.patchdef import SGLANG_DUMP_PATCH
+
+pytestmark = pytest.mark.skip(reason="~27 min on the lab and never green in one run yet (issue 9): run by hand with HSX_LAB_ID=3 pytest tests/integration/test_rollout.py")
 
 HOSTS = [lab_host(i) for i in range(1, 5)]
 LAB_VARS = "@tests/plays/files/sglang_lab.yml"
