@@ -20,7 +20,13 @@ cleanup() {
 }
 trap cleanup EXIT
 status=0
-stage() { echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
+# Each stage says how long it took (the run's time budget is watched: docs/benchmarks.md).
+stage() {
+    local name=$1 t0=$SECONDS; shift
+    echo "=== $name"
+    "$@" || { echo "=== FAILED: $*"; status=1; }
+    echo "=== $name: $((SECONDS - t0)) s"
+}
 
 # Controller-side assets both lanes use, built once before they start.
 stage "setup: wheelhouse" .venv/bin/hsx wheelhouse .cache/wheelhouse  # the lab's (inventory/lab)
@@ -40,5 +46,6 @@ wait "$molecule_pid"
 molecule_rc=$?
 molecule_pid=
 cat "$molecule_log"
+echo "=== run_all.sh: $SECONDS s"
 [ "$molecule_rc" -eq 0 ] || { echo "=== FAILED: molecule"; status=1; }
 exit $status
