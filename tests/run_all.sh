@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # `make test`: lint, unit + integration tests in one pytest run, and the molecule scenarios.
 #
-# Two lanes at once, each on its own lab (HSX_LAB_ID): pytest on the default lab, molecule on lab
-# $HSX_MOLECULE_LAB_ID (9). Most of a lab test's wall time is waiting (SSH round trips, systemd,
-# a job making progress), so the lanes overlap well even on 2 cores. Every stage runs even when an
-# earlier one failed; both labs are always torn down.
+# Two lanes at once, each on its own lab (HSX_LAB_ID): pytest on the default lab; molecule and then
+# the 4-host patch rollout test (the longest lab test) on lab $HSX_MOLECULE_LAB_ID (9). Most of a lab
+# test's wall time is waiting (SSH round trips, systemd, a job making progress), so the lanes overlap
+# well even on 2 cores. Every stage runs even when an earlier one failed; both labs are always torn
+# down.
 set -u
 cd "$(dirname "$0")/.."
 molecule_lab=${HSX_MOLECULE_LAB_ID:-9}
 [ "$molecule_lab" = "${HSX_LAB_ID:-}" ] && molecule_lab=8
-molecule_log=.cache/molecule-lane.log
-molecule_pid=
+lane2_log=.cache/lane2.log
+lane2_tests=tests/integration/test_rollout.py
+lane2_pid=
 cleanup() {
-    if [ -n "$molecule_pid" ] && kill -0 "$molecule_pid" 2>/dev/null; then
-        pkill -TERM -P "$molecule_pid" 2>/dev/null; kill "$molecule_pid" 2>/dev/null
+    if [ -n "$lane2_pid" ] && kill -0 "$lane2_pid" 2>/dev/null; then
+        pkill -TERM -P "$lane2_pid" 2>/dev/null; kill "$lane2_pid" 2>/dev/null
     fi
     .venv/bin/python tests/lab/lab.py down >/dev/null 2>&1 || true
     HSX_LAB_ID=$molecule_lab .venv/bin/python tests/lab/lab.py down >/dev/null 2>&1 || true
@@ -32,20 +34,30 @@ stage() {
 stage "setup: wheelhouse" .venv/bin/hsx wheelhouse .cache/wheelhouse  # the lab's (inventory/lab)
 
 mkdir -p .cache
-echo "=== molecule: started beside pytest on lab $molecule_lab (log: $molecule_log)"
-HSX_LAB_ID=$molecule_lab tests/molecule/run.sh >"$molecule_log" 2>&1 &
-molecule_pid=$!
+echo "=== lane 2: molecule, then $lane2_tests, beside pytest on lab $molecule_lab (log: $lane2_log)"
+(
+    export HSX_LAB_ID=$molecule_lab
+    rc=0
+    t0=$SECONDS
+    tests/molecule/run.sh || rc=1
+    echo "=== molecule: $((SECONDS - t0)) s"
+    t0=$SECONDS
+    .venv/bin/pytest "$lane2_tests" -q -p no:cacheprovider --durations=5 || rc=1
+    echo "=== $lane2_tests: $((SECONDS - t0)) s"
+    exit $rc
+) >"$lane2_log" 2>&1 &
+lane2_pid=$!
 
 stage "lint: ruff" .venv/bin/ruff check .
 stage "lint: ansible-lint (production profile)" .venv/bin/ansible-lint --profile production -q
 stage "pytest: unit + integration" .venv/bin/pytest tests/unit tests/integration -q -p no:cacheprovider \
-    --durations=12
+    --durations=12 --ignore="$lane2_tests"
 
-echo "=== molecule (lab $molecule_lab)"
-wait "$molecule_pid"
-molecule_rc=$?
-molecule_pid=
-cat "$molecule_log"
+echo "=== lane 2 (lab $molecule_lab): molecule, $lane2_tests"
+wait "$lane2_pid"
+lane2_rc=$?
+lane2_pid=
+cat "$lane2_log"
 echo "=== run_all.sh: $SECONDS s"
-[ "$molecule_rc" -eq 0 ] || { echo "=== FAILED: molecule"; status=1; }
+[ "$lane2_rc" -eq 0 ] || { echo "=== FAILED: lane 2 (molecule or $lane2_tests)"; status=1; }
 exit $status

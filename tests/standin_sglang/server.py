@@ -40,6 +40,7 @@ import queue
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -116,9 +117,14 @@ class StandInServer:
 
     def __init__(
         self, model_path: str, host: str = "127.0.0.1", port: int = 0, chunk: int = 64, dtype: str = "bf16",
-        sglang_package: str | None = None,
+        sglang_package: str | None = None, min_request_seconds: float = 0.0,
     ):
         from extraction.backends.hf import HFBackend
+
+        # A real server computes on the GPU: its client mostly waits, the host's CPUs stay free. On
+        # the lab's shared CPUs a floor on each request's time gives the same shape (and keeps a
+        # 4-host lab's jobs from taking the CPUs the tests and Ansible need).
+        self.min_request_seconds = max(0.0, float(min_request_seconds))
 
         self.chunk = max(1, int(chunk))
         self.hf = HFBackend(model_path, layer_ids=[], dtype="bf16" if dtype == "auto" else dtype)
@@ -249,8 +255,10 @@ class StandInServer:
                 except Exception as exc:
                     return self._reply(400, {"error": f"bad request: {exc}"})
                 req = _Request(rid, ids)
+                started = time.monotonic()
                 server.queue.put(req)
                 req.done.wait()
+                time.sleep(max(0.0, server.min_request_seconds - (time.monotonic() - started)))
                 if req.error:
                     return self._reply(500, {"error": req.error})
                 meta = {
@@ -293,9 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunked-prefill-size", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--sglang-package", help="run the patch and hook of this installed SGLang package")
+    parser.add_argument("--min-request-seconds", type=float, default=0.0,
+                        help="answer no /generate sooner than this (stands in for the GPU's time; frees the CPUs)")
     args, _ignored = parser.parse_known_args(argv)
     server = StandInServer(
-        args.model_path, args.host, args.port, args.chunked_prefill_size, args.dtype, args.sglang_package
+        args.model_path, args.host, args.port, args.chunked_prefill_size, args.dtype, args.sglang_package,
+        args.min_request_seconds,
     ).start()
     print(
         f"stand-in SGLang server on {server.url} (dumps: {os.environ.get(hook.ENV_DIR) or 'off'}; "

@@ -118,3 +118,20 @@ def test_missing_dump_is_an_error_not_a_hang(model_dir, tmp_path, monkeypatch):
         backend.close()
     finally:
         srv.stop()
+
+
+def test_standin_min_request_seconds_is_a_floor(model_dir, tmp_path, monkeypatch):
+    """The lab runs the stand-in with a floor per request (the GPU's time, CPU left free)."""
+    import json
+    import urllib.request
+
+    monkeypatch.delenv(hook.ENV_DIR, raising=False)
+    srv = _standin().StandInServer(model_dir, min_request_seconds=0.4).start()
+    try:
+        body = json.dumps({"input_ids": [5, 6, 7], "rid": "floor"}).encode()
+        t = time.monotonic()
+        with urllib.request.urlopen(urllib.request.Request(f"{srv.url}/generate", data=body), timeout=30) as r:
+            reply = json.loads(r.read())
+        assert time.monotonic() - t >= 0.4 and reply["meta_info"]["id"] == "floor"
+    finally:
+        srv.stop()
