@@ -18,13 +18,20 @@ from extraction.shards.format import (
     shard_relpath,
 )
 from extraction.shards.manifest import RunManifest, manifest_mismatches, read_manifest, write_manifest
-from extraction.shards.writer import (
-    DiskFullError,
-    ManifestMismatchError,
-    ShardDataError,
-    ShardWriter,
-    remove_orphan_temps,
-)
+
+# The writer needs torch (~2 s to import on these hosts): loaded on first use, so that `hsx status`,
+# `hsx verify` and the other read-only commands start at once.
+_WRITER_NAMES = frozenset({"DiskFullError", "ManifestMismatchError", "ShardDataError", "ShardWriter",
+                           "remove_orphan_temps"})
+
+
+def __getattr__(name: str):
+    if name in _WRITER_NAMES:
+        from extraction.shards import writer
+
+        return getattr(writer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FORMAT_VERSION",

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from extraction.shards import format as fmt
 from extraction.shards.format import Expect, ShardInfo, VerifyReport
 
@@ -19,6 +17,8 @@ _CHUNK_ELEMS = 1 << 24  # check finiteness in slices so a 2 GB tensor needs no 2
 
 def deep_check(path: str, expect: Expect, info: ShardInfo) -> str | None:
     """Load with mmap + weights_only and check values; returns a reason or None."""
+    import torch  # here, not at the top: `quick` and `full` start without torch's ~2 s import
+
     try:
         data = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     except Exception as e:  # torch raises many types for a bad file; any of them means bad
