@@ -37,14 +37,10 @@ mkdir -p .cache
 echo "=== lane 2: molecule, then $lane2_tests, beside pytest on lab $molecule_lab (log: $lane2_log)"
 (
     export HSX_LAB_ID=$molecule_lab
-    rc=0
-    t0=$SECONDS
-    tests/molecule/run.sh || rc=1
-    echo "=== molecule: $((SECONDS - t0)) s"
-    t0=$SECONDS
-    .venv/bin/pytest "$lane2_tests" -q -p no:cacheprovider --durations=5 || rc=1
-    echo "=== $lane2_tests: $((SECONDS - t0)) s"
-    exit $rc
+    status=0
+    stage molecule tests/molecule/run.sh
+    stage "$lane2_tests" .venv/bin/pytest "$lane2_tests" -q -p no:cacheprovider --durations=5
+    exit $status
 ) >"$lane2_log" 2>&1 &
 lane2_pid=$!
 
