@@ -574,6 +574,8 @@ class Runner:
             raise RunError(str(e)) from None
         except OSError as e:
             raise RunError(f"--output {cfg.output}: {e}") from None
+        if not self.writer.writes_directly:
+            self.log(f"shards written by torch.save ({self.writer.write_mode}): slower, same bytes")
         _end_torn_index_line(cfg.output)
         removed = self.writer.remove_orphan_temps()
         if removed:

@@ -1,23 +1,20 @@
 """Atomic shard publication: a final `.pt` name never points to a partial file.
 
-Protocol per sample: temp name in the shard's own directory -> torch.save -> fsync -> rename
--> fsync the directory -> append one line to the index (and fsync it). The index's checksum is
-the CRC32 of the whole file, read back after the fsync (the same bytes `full` verification
-checksums); torch.save writes by path, so its C++ writer does not hold the GIL. A crash at any point
-leaves either no final file, or a complete fsynced one that the index may not list yet (the
-verifier reports it as unindexed). Temp names start with '.' and end in '.tmp', so nothing
+Protocol per sample: temp name in the shard's own directory -> write -> fsync -> rename
+-> fsync the directory -> append one line to the index (and fsync it). The bytes are torch.save's:
+laid out directly by `torchzip` (checked byte for byte against this host's torch.save at start; the
+tensors go to one writev from where they lie, the GIL released) or, where that check fails, by
+torch.save itself. The index's checksum is the CRC32 of the whole file (the same bytes `full`
+verification checksums). A crash at any point leaves either no final file, or a complete fsynced
+one that the index may not list yet (the verifier reports it as unindexed). Temp names start with '.' and end in '.tmp', so nothing
 that looks for `.pt` files ever sees one.
 """
 
 from __future__ import annotations
 
-import atexit
 import errno
-import gc
 import io
 import os
-import shutil
-import tempfile
 import threading
 import zlib
 from typing import Any
@@ -25,6 +22,7 @@ from typing import Any
 import torch
 
 from extraction.shards import format as fmt
+from extraction.shards import torchzip
 from extraction.shards.format import IndexEntry, ManifestError
 from extraction.shards.manifest import RunManifest, manifest_mismatches, read_manifest, write_manifest
 
@@ -103,12 +101,40 @@ def _is_disk_full(exc: BaseException | None) -> bool:
     return False
 
 
-def _owned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU, contiguous tensor that owns exactly its bytes (torch.save writes whole storages)."""
-    t = t.detach().to(device="cpu", dtype=dtype).contiguous()
+def _on_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor of `dtype`: `t` itself (or a view) when it already is one."""
+    return t.detach().to(device="cpu", dtype=dtype).contiguous()
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its bytes (torch.save writes whole storages)."""
     if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone()
     return t
+
+
+def _write_pieces(f: Any, pieces: list[Any], wrapper: _WriteErrorFile, real_file: bool) -> None:
+    """Write every piece in order: writev on a real file (one call, GIL released), else through
+    the file object (a test's wrapper), keeping the OSError a write raised."""
+    if not real_file:
+        wrapper.f = f
+        for piece in pieces:
+            wrapper.write(piece)
+        return
+    fd = f.fileno()
+    views = [memoryview(p) for p in pieces if len(p)]
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i : i + 512])
+        if n <= 0:
+            raise OSError(errno.EIO, f"writev wrote nothing to {f.name}")
+        while n and i < len(views):  # a short write: go on from where it stopped
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
 
 
 class ShardWriter:
@@ -134,7 +160,8 @@ class ShardWriter:
         self._dtype = getattr(torch, manifest.dtype)
         self._lock = threading.Lock()
         self._known_dirs: set[str] = set()
-        self._by_path = True  # off after a by-path save failed where a file-object save worked
+        # torch.save's bytes laid out directly, when they match this host's torch byte for byte.
+        self._layout, self.write_mode = torchzip.layout_for(self._dtype)  # (None, why) if not
         os.makedirs(os.path.join(self.output_dir, fmt.SHARDS_DIR), exist_ok=True)
         if os.path.exists(os.path.join(self.output_dir, fmt.MANIFEST_NAME)):
             existing = read_manifest(self.output_dir)
@@ -143,6 +170,11 @@ class ShardWriter:
                 raise ManifestMismatchError(self.output_dir, mismatches)
         else:
             write_manifest(self.output_dir, manifest)
+
+    @property
+    def writes_directly(self) -> bool:
+        """True when shards are laid out by torchzip; False when torch.save writes them."""
+        return self._layout is not None
 
     # -- start-up ---------------------------------------------------------------------------
     def remove_orphan_temps(self) -> int:
@@ -186,10 +218,10 @@ class ShardWriter:
                 if not bool(torch.isfinite(t).all()):
                     raise ShardDataError(f"sample {sample_id!r}: {key} has NaN or Inf values")
         return {
-            fmt.KEY_INPUT_IDS: _owned(ids, torch.int64),
-            fmt.KEY_LOSS_MASK: _owned(mask, torch.int64),
-            fmt.KEY_HIDDEN: _owned(hidden_state, self._dtype),
-            fmt.KEY_AUX: _owned(aux_hidden_state, self._dtype),
+            fmt.KEY_INPUT_IDS: _on_cpu(ids, torch.int64),
+            fmt.KEY_LOSS_MASK: _on_cpu(mask, torch.int64),
+            fmt.KEY_HIDDEN: _on_cpu(hidden_state, self._dtype),
+            fmt.KEY_AUX: _on_cpu(aux_hidden_state, self._dtype),
         }
 
     def publish(
@@ -248,23 +280,22 @@ class ShardWriter:
         return open(path, "xb")
 
     def _write_atomically(self, payload: dict[str, torch.Tensor], final: str) -> tuple[int, int]:
-        """temp -> torch.save -> fsync -> checksum read back -> rename -> fsync dir; (size, crc)."""
+        """temp -> write -> fsync -> rename -> fsync dir; (size, CRC32 of the file)."""
         directory, name = os.path.split(final)
         tmp = os.path.join(directory, fmt.temp_name(name))
         wrapper = _WriteErrorFile(None)  # keeps the OSError of a write through a file object
         try:
-            done = self._save_temp(payload, tmp, wrapper, by_path=self._by_path)
-            if not done:
-                # torch's C++ writer failed: its errors carry no errno, and it may still hold the
-                # file open. Write a new temp through a file object, whose OSError says what went
-                # wrong (ENOSPC -> DiskFullError), or which succeeds.
-                fmt._unlink_quiet(tmp)
-                gc.collect()  # close the failed writer's file now: its space counts on a full disk
-                tmp = os.path.join(directory, fmt.temp_name(name))
-                self._save_temp(payload, tmp, wrapper, by_path=False)
-                self._by_path = False  # not a full disk: something about this host; stop trying
-            # The index checksum is the CRC32 of the bytes on disk, read back (from the page cache).
-            size, crc = file_crc32(tmp)
+            encoded = self._encode(payload)
+            with self._open_temp(tmp) as f:
+                if encoded is not None:
+                    _write_pieces(f, encoded.pieces, wrapper, _is_real_file(f, tmp))
+                else:
+                    wrapper.f = f
+                    torch.save({k: _owned(t) for k, t in payload.items()}, wrapper)
+                f.flush()
+                os.fsync(f.fileno())
+            # After torch.save the checksum is the CRC32 of the bytes on disk, read back (page cache).
+            size, crc = (encoded.size, encoded.crc) if encoded is not None else file_crc32(tmp)
             os.replace(tmp, final)
             fmt.fsync_dir(directory)
         except BaseException as e:
@@ -276,66 +307,20 @@ class ShardWriter:
             raise
         return size, crc
 
-    def _save_temp(
-        self, payload: dict[str, torch.Tensor], tmp: str, wrapper: _WriteErrorFile, by_path: bool
-    ) -> bool:
-        """Create `tmp` exclusively, torch.save into it and fsync it; False when saving by path
-        failed (the caller retries through a file object). Other errors raise."""
-        with self._open_temp(tmp) as f:
-            if by_path and _is_real_file(f, tmp):
-                try:
-                    # By path, torch's C++ writer writes the records with the GIL released
-                    # (through a file object it takes the GIL for every write call).
-                    _save_by_path(payload, tmp)
-                    # It never checks its last flush: a lost tail shows as a missing zip directory.
-                    _check_complete(tmp)
-                except Exception:
-                    return False
-            else:
-                wrapper.f = f
-                torch.save(payload, wrapper)
-                f.flush()
-            os.fsync(f.fileno())
-        return True
-
-
-def _link_dir() -> str:
-    """This thread's private directory for the `archive` link (see _save_by_path)."""
-    pid, d = getattr(_tls, "link_dir", (None, ""))
-    if pid != os.getpid():  # first use in this thread, or a forked child: a directory of its own
-        d = tempfile.mkdtemp(prefix="hsx-save-")
-        _tls.link_dir = (os.getpid(), d)
-        atexit.register(shutil.rmtree, d, True)
-    return d
-
-
-def _save_by_path(payload: dict[str, torch.Tensor], path: str) -> None:
-    """torch.save(payload, path), through a link named `archive` in a private directory.
-
-    torch.save by path names the zip's records after the file (`<name>/data.pkl`); through a
-    file object they are `archive/...`. Saving through a link called `archive` keeps the bytes
-    identical to a file-object save (stable names: the `quick` layout memo and byte-identical
-    reruns rely on them) while torch writes the file itself with the GIL released."""
-    link = os.path.join(_link_dir(), "archive")
-    os.symlink(os.path.abspath(path), link)
-    try:
-        torch.save(payload, link)
-    finally:
-        os.unlink(link)
+    def _encode(self, payload: dict[str, torch.Tensor]) -> torchzip.Encoded | None:
+        """The shard's bytes as pieces, or None where torch.save must write it (no checked
+        layout on this host, or a record past 4 GiB)."""
+        if self._layout is None:
+            return None
+        try:
+            return self._layout.encode(payload)
+        except ValueError:
+            return None
 
 
 def _is_real_file(f: Any, path: str) -> bool:
     """`f` is the plain file just opened at `path` (not a test's wrapper or another file)."""
     return isinstance(f, io.BufferedWriter) and getattr(f, "name", None) == path
-
-
-def _check_complete(path: str) -> None:
-    """The file ends in a zip directory that lies inside it (format's own parser); ShardBad else."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        fmt.read_zip_records(fmt._Reader(fd, os.fstat(fd).st_size))
-    finally:
-        os.close(fd)
 
 
 def remove_orphan_temps(output_dir: str | os.PathLike[str]) -> int:

@@ -245,6 +245,14 @@ def main() -> int:
             f"work: {args.samples} samples, {tokens} tokens, {len(batches)} batches of <= {args.batch_size}"
         )
         print(f"disk under {work}: {disk_info(work)}; load average {os.getloadavg()[0]:.1f}")
+        try:  # the code under test may predate torchzip (an older checkout on PYTHONPATH)
+            from extraction.shards import torchzip
+
+            dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+            print(f"shard writer: {'direct layout' if torchzip.layout_for(dt)[0] else 'torch.save'}: "
+                  f"{torchzip.layout_for(dt)[1]}")
+        except ImportError:
+            print("shard writer: torch.save (this code has no torchzip)")
         forward_only(backend, batches[:2], args.device)  # warm-up
         forward_copy(backend, batches[:2], args.device)
         # Warm the runner path too (pinned host memory, page cache, the writer pool): a quarter run.
