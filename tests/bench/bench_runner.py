@@ -201,7 +201,10 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="where to write (default: a temp dir, removed)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument(
-        "--writer-threads", default="0", help="runner writer threads, comma list of variants (0: auto)"
+        "--writer-threads",
+        default="0",
+        help="runner variants, comma list: N writer threads (0: auto); N-inproc: the same with the tokenizer "
+        "in a thread instead of its process (--tokenizer-process off)"
     )
     ap.add_argument(
         "--sides", default="A,A2,B,C", help="which sides to time, e.g. A,B (B: the runner variants)"
@@ -258,7 +261,7 @@ def main() -> int:
         # Warm the runner path too (pinned host memory, page cache, the writer pool): a quarter run.
         runner_run(cfg_kw, work / "warm", limit=max(2 * args.batch_size, args.samples // 4))
         shutil.rmtree(work / "warm")
-        variants = [int(x) for x in args.writer_threads.split(",")]
+        variants = args.writer_threads.split(",")
         bkeys = [f"B{w}" for w in variants]
         sides: dict[str, list[float]] = {k: [] for k in ["A", "A2", *bkeys, "C"]}
         skip = {"A2", "C"} - set(args.sides.split(","))  # not timed: reported as nan
@@ -285,14 +288,15 @@ def main() -> int:
                 if not side.startswith("B"):
                     cpu[side].append(time.process_time() - c0)
                 else:
-                    runner_mod.WRITER_THREADS = int(side[1:])
-                    got[side], wall, tm = runner_run(cfg_kw, work / f"run{rnd}")
+                    runner_mod.WRITER_THREADS = int(side[1:].split("-")[0])
+                    inproc = {"tokenizer_process": "off"} if side.endswith("-inproc") else {}
+                    got[side], wall, tm = runner_run(cfg_kw, work / f"run{rnd}", **inproc)
                     walls[side].append(wall)
                     cpu[side].append(tm["pipeline_end_cpu_at"] - tm["ready_cpu_at"])
                     shutil.rmtree(work / f"run{rnd}")
                     line.append(
                         f"  runner, {side[1:]} writer thread(s): {got[side]:.2f}s; whole run() {wall:.2f}s; "
-                        + ", ".join(f"{k} {v:.2f}" for k, v in tm.items() if k.endswith("_s"))
+                        + ", ".join(f"{k} {v:.2f}" for k, v in tm.items() if k.endswith("_s") or k.startswith("windows"))
                     )
             for k, v in got.items():
                 sides[k].append(v)
