@@ -59,7 +59,6 @@ class ExtractConfig:
     limit: int | None = None
     status_interval: float = 3.0
     progress: str = "auto"  # auto | on | off (tqdm bar; auto = only on a terminal)
-    tokenizer_process: str = "auto"  # auto | on | off (auto = hf backend on CUDA)
 
     def check(self) -> None:
         missing = [n for n in ("model", "dataset", "output") if not getattr(self, n)]
@@ -82,10 +81,8 @@ class ExtractConfig:
             raise ConfigError(f"--shard-index must be in 0..{self.num_shards - 1}, got {self.shard_index}")
         if self.retries < 0:
             raise ConfigError(f"--retries must be >= 0, got {self.retries}")
-        for name in ("progress", "tokenizer_process"):
-            if getattr(self, name) not in ("auto", "on", "off"):
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{flag} must be auto, on or off, got {getattr(self, name)!r}")
+        if self.progress not in ("auto", "on", "off"):
+            raise ConfigError(f"--progress must be auto, on or off, got {self.progress!r}")
 
 
 _CONVERTERS: dict[str, Any] = {
@@ -125,7 +122,6 @@ _HELP = {
     "limit": "process at most this many of this node's samples",
     "status_interval": "seconds between status.json updates",
     "progress": "tqdm bar: auto (on a terminal), on, off",
-    "tokenizer_process": "tokenize in a child process, away from the forward pass's GIL: auto (hf on CUDA), on, off",
 }
 
 

@@ -55,7 +55,6 @@ from extraction.shards import (
 )
 from extraction.shards import format as fmt
 from extraction.status import ERRORS_NAME, StatusReporter, StatusThread, now_iso
-from extraction.tokenize_worker import TokenizerProcess, TokenizerProcessError, tokenize_window
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -168,13 +167,6 @@ def _nonfinite(states: SampleStates) -> str | None:
     return None if states.finite is None else f"{fmt.KEY_HIDDEN} or {fmt.KEY_AUX}"
 
 
-def _use_tokenizer_process(cfg: ExtractConfig) -> bool:
-    """auto: where the forward is Python driving a GPU (hf on CUDA), which waits for every GIL holder."""
-    if cfg.tokenizer_process == "auto":
-        return cfg.backend == "hf" and cfg.device.startswith("cuda")
-    return cfg.tokenizer_process == "on"
-
-
 def make_backend(cfg: ExtractConfig, layer_ids: list[int]) -> Backend:
     if cfg.backend == "hf":
         from extraction.backends.hf import HFBackend
@@ -217,7 +209,6 @@ class Runner:
         self.bar: Any = None
         self._errors_lock = threading.Lock()
         self.producer: threading.Thread | None = None
-        self.tokenizer_proc: TokenizerProcess | None = None
         self.writer_threads = WRITER_THREADS or (1 if (os.cpu_count() or 1) <= 4 else 2)
         self._guard_lock = threading.Lock()
         self._inflight_bytes = 0
@@ -231,7 +222,6 @@ class Runner:
             "forward_wait_writer_s": 0.0,
             "writer_wait_copy_s": 0.0,
             "writer_publish_s": 0.0,
-            "windows_by_tokenizer_process": 0,
             "drain_s": 0.0,
             "ready_at": 0.0,
             "pipeline_end_at": 0.0,
@@ -319,14 +309,16 @@ class Runner:
                 if all(e.sample_id in done for e in window):
                     continue
                 samples = []
-                for item in self._tokenize_window(tokenizer, window):
-                    if isinstance(item, RowError):  # a template that cannot render this row
-                        self._error(item.to_record())
+                for conv in read_conversations(self.cfg.dataset, window):
+                    try:
+                        samples.append(tokenizer.encode(conv))
+                    except Exception as e:  # a template that cannot render this row: a data problem
+                        self._error(
+                            RowError(conv.line, f"tokenization failed: {e}", conv.sample_id).to_record()
+                        )
                         with self.reporter.lock:
                             self.reporter.row_errors += 1
                             self.reporter.total -= 1
-                    else:
-                        samples.append(item)
                 for batch in batches_of_window(samples, self.cfg.batch_size):
                     pending = {s.sample_id for s in batch if s.sample_id not in done}
                     if pending:
@@ -338,20 +330,6 @@ class Runner:
                                 continue
         finally:
             out.put(None)
-
-    def _tokenize_window(self, tokenizer: ChatTokenizer, window: list[DatasetEntry]) -> list[Sample | RowError]:
-        """By the tokenizer process once it is up (no GIL taken from the forward), else here."""
-        proc = self.tokenizer_proc
-        if proc is not None:
-            try:
-                if proc.ready():
-                    self.timings["windows_by_tokenizer_process"] += 1
-                    return proc.tokenize(window)
-            except TokenizerProcessError as e:
-                self.log(f"tokenizer process failed ({e}); tokenizing in this process from here on")
-                self.tokenizer_proc = None
-                proc.close()
-        return tokenize_window(tokenizer, self.cfg.dataset, window)
 
     def _write(self, work_q: queue.Queue) -> None:
         """Writer thread: disk guard, atomic publish, counters. Never touches the GPU.
@@ -724,11 +702,6 @@ class Runner:
 
     def _start_producer(self) -> None:
         windows = plan_windows(self.assigned, self.cfg.batch_size)
-        if _use_tokenizer_process(self.cfg) and self.tokenizer_proc is None:
-            try:
-                self.tokenizer_proc = TokenizerProcess(self.cfg.model, self.cfg.max_length, self.cfg.dataset)
-            except OSError as e:
-                self.log(f"cannot start the tokenizer process ({e}); tokenizing in this process")
         self.producer = threading.Thread(
             target=self._produce,
             args=(self.tokenizer, windows, self.done, self.batch_q),
@@ -753,9 +726,6 @@ class Runner:
                 time.sleep(0.01)
         producer.join(timeout=5)
         self.producer = None
-        if self.tokenizer_proc is not None:
-            self.tokenizer_proc.close()
-            self.tokenizer_proc = None
 
     def _pipeline(self) -> None:
         batch_q = self.batch_q
