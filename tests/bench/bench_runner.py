@@ -203,8 +203,7 @@ def main() -> int:
     ap.add_argument(
         "--writer-threads",
         default="0",
-        help="runner variants, comma list: N writer threads (0: auto); N-inproc: the same with the tokenizer "
-        "in a thread instead of its process (--tokenizer-process off)"
+        help="runner variants, comma list of writer thread counts (0: auto)"
     )
     ap.add_argument(
         "--sides", default="A,A2,B,C", help="which sides to time, e.g. A,B (B: the runner variants)"
@@ -288,15 +287,14 @@ def main() -> int:
                 if not side.startswith("B"):
                     cpu[side].append(time.process_time() - c0)
                 else:
-                    runner_mod.WRITER_THREADS = int(side[1:].split("-")[0])
-                    inproc = {"tokenizer_process": "off"} if side.endswith("-inproc") else {}
-                    got[side], wall, tm = runner_run(cfg_kw, work / f"run{rnd}", **inproc)
+                    runner_mod.WRITER_THREADS = int(side[1:])
+                    got[side], wall, tm = runner_run(cfg_kw, work / f"run{rnd}")
                     walls[side].append(wall)
                     cpu[side].append(tm["pipeline_end_cpu_at"] - tm["ready_cpu_at"])
                     shutil.rmtree(work / f"run{rnd}")
                     line.append(
                         f"  runner, {side[1:]} writer thread(s): {got[side]:.2f}s; whole run() {wall:.2f}s; "
-                        + ", ".join(f"{k} {v:.2f}" for k, v in tm.items() if k.endswith("_s") or k.startswith("windows"))
+                        + ", ".join(f"{k} {v:.2f}" for k, v in tm.items() if k.endswith("_s"))
                     )
             for k, v in got.items():
                 sides[k].append(v)
