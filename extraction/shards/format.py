@@ -208,13 +208,21 @@ def read_index(output_dir: str) -> IndexState:
 
     A missing index is an empty one (a run that has not finished a sample yet).
     """
-    state = IndexState()
-    path = os.path.join(output_dir, INDEX_NAME)
+    return _replay_index(_read_index_lines(output_dir))
+
+
+def _read_index_lines(output_dir: str) -> list[bytes]:
+    """index.jsonl's lines as stored (none when it does not exist)."""
     try:
-        with open(path, "rb") as f:
-            lines = f.readlines()
+        with open(os.path.join(output_dir, INDEX_NAME), "rb") as f:
+            return f.readlines()
     except FileNotFoundError:
-        return state
+        return []
+
+
+def _replay_index(lines: list[bytes]) -> IndexState:
+    """read_index on lines already read."""
+    state = IndexState()
     for n, record in enumerate(_decode_index_lines(lines)):
         if record is None:
             if n == len(lines) - 1:
@@ -1272,25 +1280,30 @@ def scan_shards(output_dir: str) -> list[str]:
     return _scan(output_dir, orphans=None)
 
 
-def _scan(output_dir: str, orphans: list[str] | None) -> list[str]:
-    """scan_shards, also collecting find_orphan_temps' list into `orphans` in the same pass."""
-    found: list[str] = []
+def _scan_top(output_dir: str, orphans: list[str] | None) -> list[str]:
+    """The bucket folders of shards/ (sorted); temps in the output root and shards/ go to `orphans`."""
     if orphans is not None:
         with os.scandir(output_dir) as it:
             orphans.extend(e.name for e in it if is_temp_name(e.name) and e.is_file(follow_symlinks=False))
-    root = os.path.join(output_dir, SHARDS_DIR)
     try:
-        with os.scandir(root) as it:
+        with os.scandir(os.path.join(output_dir, SHARDS_DIR)) as it:
             entries = list(it)
     except FileNotFoundError:
-        return found
-    buckets = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+        return []
     if orphans is not None:
         orphans.extend(
             f"{SHARDS_DIR}/{e.name}"
             for e in entries
             if is_temp_name(e.name) and e.is_file(follow_symlinks=False)
         )
+    return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+
+
+def _scan(output_dir: str, orphans: list[str] | None) -> list[str]:
+    """scan_shards, also collecting find_orphan_temps' list into `orphans` in the same pass."""
+    found: list[str] = []
+    buckets = _scan_top(output_dir, orphans)
+    root = os.path.join(output_dir, SHARDS_DIR)
     suffix, temp = SHARD_SUFFIX, TEMP_PREFIX
     for b in buckets:
         prefix = f"{SHARDS_DIR}/{b}/"
@@ -1329,12 +1342,17 @@ def _check_batch(
     return len(jobs), ok, nbytes, problems
 
 
-def _fork_map(fn: Callable[..., Any], parts: list[tuple[Any, ...]]) -> list[Any]:
+def _fork_map(
+    fn: Callable[..., Any], parts: list[tuple[Any, ...]], reap: list[int] | None = None
+) -> list[Any]:
     """[fn(*p) for p in parts]: parts[1:] each in a forked child, parts[0] in this process.
 
     Children inherit everything (no pickling of the work) and send back one pickled result
     through a pipe. Cheaper than a process pool (~0.1 s to start) for `quick`, whose whole
     run may take less than that. A child that dies without a result is an error, not a pass.
+    With `reap` (a list), a child whose whole result arrived is not waited for here: its pid
+    goes into `reap` for the caller to wait for later (_reap), so that its exit (unmapping a
+    copy of a large parent, ~10 ms with torch loaded) overlaps the caller's work.
     """
     import pickle
 
@@ -1353,29 +1371,382 @@ def _fork_map(fn: Callable[..., Any], parts: list[tuple[Any, ...]]) -> list[Any]
                 view = memoryview(payload)
                 while view:
                     view = view[os.write(w, view) :]
+                os.close(w)  # the result is complete before this process starts to exit
             finally:
                 os._exit(code)
         os.close(w)
         children.append((pid, r))
     try:
         results = [fn(*parts[0])]
-    finally:
-        pending = []
+    except BaseException:  # this process failed: wait for every child, then raise
         for pid, r in children:
             with os.fdopen(r, "rb") as f:
-                data = f.read()
+                f.read()
+            os.waitpid(pid, 0)
+        raise
+    pending = []
+    for pid, r in children:
+        with os.fdopen(r, "rb") as f:
+            pending.append((pid, f.read()))
+    error: BaseException | None = None
+    for pid, data in pending:
+        try:
+            result = pickle.loads(data) if data else None
+        except Exception:  # cut short: the child died while writing it
+            result = None
+        if reap is not None and result is not None and not isinstance(result, BaseException):
+            reap.append(pid)
+        else:
             _, status = os.waitpid(pid, 0)
-            pending.append((data, status))
-    for data, status in pending:
-        result = pickle.loads(data) if data else None
-        if status != 0 or result is None or isinstance(result, BaseException):
-            raise (
-                result
-                if isinstance(result, BaseException)
-                else RuntimeError(f"verify worker died (wait status {status})")
-            )
+            if error is None and (status != 0 or result is None or isinstance(result, BaseException)):
+                error = (
+                    result
+                    if isinstance(result, BaseException)
+                    else RuntimeError(f"verify worker died (wait status {status})")
+                )
         results.append(result)
+    if error is not None:
+        raise error
     return results
+
+
+_EXITING: list[int] = []  # forked workers that sent their result and may still be exiting
+
+
+def _reap(pids: list[int]) -> None:
+    """Collect the children _fork_map left to the caller, without waiting for any still exiting.
+
+    A worker that has sent its whole result only has its exit left, which for the copy of a
+    large parent (torch loaded) takes ~10 ms of unmapping: it runs while the caller goes on,
+    and the child is collected here on a later call (as subprocess does), or by init.
+    """
+    _EXITING.extend(pids)
+    pids.clear()
+    for pid in list(_EXITING):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # collected by someone else's wait()
+            done = pid
+        if done:
+            _EXITING.remove(pid)
+
+
+_FAST_OPEN = _OPEN_FLAGS | getattr(os, "O_CLOEXEC", 0)
+_DIR_OPEN = (
+    os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+)
+_DIR_FD = os.open in os.supports_dir_fd and os.scandir in os.supports_fd
+_LINE_BODY = operator.itemgetter(slice(None, -10))
+_LINE_CRC = operator.itemgetter(slice(-9, -1))
+_LINE_TAB = operator.itemgetter(slice(-10, -9))
+_ROW = operator.itemgetter("id", "path", "size", "checksum", "num_tokens")  # IndexEntry's field order
+_BY_SIZE = operator.itemgetter(0)
+_MAX_DIR_FDS = 512  # bucket folders a quick worker keeps open (more are opened by path)
+
+# An index entry as `quick` passes it around: (sample_id, path, size, checksum, num_tokens).
+_Row = tuple[str, str, int, str, int]
+
+
+def _index_rows(lines: list[bytes]) -> dict[str, _Row] | None:
+    """_replay_index's entries as rows, for an index of only lines as encode_index_line writes
+    entries (no tombstones, no damaged or torn line): then every line passes, and each check is
+    one C-level pass over all lines. Any other index: None (the caller replays it line by line).
+    """
+    if not lines or lines[-1][-1:] != b"\n":
+        return None
+    bodies = list(map(_LINE_BODY, lines))
+    crcs = struct.pack(f">{len(bodies)}I", *map(zlib.crc32, bodies)).hex().encode("ascii")
+    if b"".join(map(_LINE_CRC, lines)) != crcs or b"".join(map(_LINE_TAB, lines)) != b"\t" * len(lines):
+        return None
+    try:
+        records = json.loads(b"[" + b",".join(bodies) + b"]")
+        rows = list(map(_ROW, records))  # KeyError: a tombstone or another record
+    except (ValueError, KeyError, TypeError):
+        return None
+    if set(map(len, records)) != {5}:  # other keys too (one may be "removed")
+        return None
+    ids, paths, sizes, checksums, tokens = zip(*rows, strict=True)
+    if set(map(type, ids + paths + checksums)) != {str} or set(map(type, sizes + tokens)) != {int}:
+        return None  # read_index would convert these (or count the line bad)
+    return dict(zip(ids, rows, strict=True))  # later lines win
+
+
+class _QuickWorker:
+    """`quick` over whole bucket folders, one after another: list the folder, check its shards.
+
+    The fast path, for a shard of a layout already seen (_Layout) whose index entry gives its
+    size: the listing's d_type says it is a regular file; open it relative to its folder
+    (O_NOFOLLOW: never through a symlink; O_NONBLOCK: a FIFO swapped in cannot block), one pread
+    of one byte more than the index says, close: three system calls, no fstat. A pread returns
+    less than asked only at the end of the file, so reading exactly the indexed size means the
+    file has that size, as fstat would have said (a directory or FIFO swapped in fails the read).
+    Those bytes matching a known layout, with the indexed token count, is check_shard's own fast
+    path, so the shard passes. Anything else (no entry, no known layout of that size, not a
+    regular file per the listing, an open or read error, another length, other bytes or token
+    count) goes to check_shard as before, which gives the verdict and its reason itself (and
+    learns the layout of a small shard that passes).
+    """
+
+    def __init__(self, output_dir: str, buckets: list[str], expect: Expect, by_path: dict[str, _Row]):
+        self.output_dir = output_dir
+        self.root = output_dir.rstrip("/") + "/" if output_dir else ""
+        self.buckets, self.expect, self.by_path = buckets, expect, by_path
+        self.files: list[str] = []  # every shard-named entry listed (relative paths)
+        self.ok = self.nbytes = 0
+        self.problems: list[tuple[str, str, str]] = []
+        self.orphans: list[str] = []
+        self.unindexed: list[str] = []  # shards with no index entry
+        self.error: tuple[int, OSError] | None = None  # the first folder that could not be listed
+
+    def run(self, take: Iterable[int], progress: Callable[[int, int, int], None] | None = None) -> tuple:
+        """List the folders `take` names, then check their shards in order of indexed size.
+
+        Shards of one size share a layout: checked one after another, its bytes stay in the
+        CPU's cache instead of being fetched again for every file (runs have ~2k lengths).
+        """
+        fds: list[int] = []
+        jobs: list[tuple[int, str, int | None, str, str, _Row | None, bool]] = []
+        try:
+            for i in take:
+                try:
+                    self._list(i, fds, jobs)
+                except OSError as e:
+                    self.error = (i, e)
+                    return self._result()
+            jobs.sort(key=_BY_SIZE)
+            self._check(jobs, progress)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return self._result()
+
+    def _result(self) -> tuple:
+        return self.files, self.ok, self.nbytes, self.problems, self.orphans, self.unindexed, self.error
+
+    def _list(self, i: int, fds: list[int], jobs: list) -> None:
+        """List folder i: its shards become jobs (indexed size, name, folder fd, base, rel, row, regular)."""
+        path = os.path.join(self.output_dir, SHARDS_DIR, self.buckets[i])
+        prefix = f"{SHARDS_DIR}/{self.buckets[i]}/"
+        fd = None
+        if _DIR_FD and len(fds) < _MAX_DIR_FDS:
+            try:
+                fd = os.open(path, _DIR_OPEN)
+            except OSError:
+                fd = None  # listed by name below, which fails (or not) as it always did
+            if fd is not None:
+                try:
+                    with os.scandir(fd) as it:
+                        entries = list(it)
+                except OSError:
+                    os.close(fd)
+                    fd = None
+                else:
+                    fds.append(fd)
+        if fd is None:
+            with os.scandir(path) as it:
+                entries = list(it)
+        base = "" if fd is not None else self.root + prefix
+        append, get, files = jobs.append, self.by_path.get, self.files
+        suffix, temp, small = SHARD_SUFFIX, TEMP_PREFIX, _SMALL_FILE
+        for e in entries:
+            name = e.name
+            if not name.endswith(suffix) or name.startswith(temp):
+                if is_temp_name(name) and self._is_file(e, prefix):
+                    self.orphans.append(prefix + name)
+                continue
+            rel = prefix + name
+            files.append(rel)
+            row = get(rel)
+            if row is None:
+                self.unindexed.append(rel)
+                size = 0
+            else:
+                size = row[2] if 0 < row[2] <= small else 0
+            try:
+                regular = e.is_file(follow_symlinks=False)  # d_type: no system call
+            except OSError:
+                regular = False
+            append((size, name, fd, base, rel, row, regular))
+
+    def _check(self, jobs: list, progress: Callable[[int, int, int], None] | None) -> None:
+        layouts = _LAYOUTS
+        h, k, dt = self.expect.hidden_size, self.expect.num_aux, self.expect.dtype
+        op, pread, close, flags = os.open, os.pread, os.close, _FAST_OPEN
+        last, known = -1, None
+        ok = nbytes = 0
+        try:
+            for n, (size, name, fd, base, rel, row, regular) in enumerate(jobs, 1):
+                if size != last:
+                    last, known = size, layouts.get((size, h, k, dt)) if size else None
+                if known and regular:
+                    try:
+                        f = op(base + name, flags, dir_fd=fd)
+                    except OSError:
+                        f = -1
+                    if f >= 0:
+                        try:
+                            data = pread(f, size + 1, 0)
+                        except OSError:
+                            data = b""
+                        finally:
+                            close(f)
+                        if len(data) == size:
+                            for layout in known:
+                                if layout.get(data) == layout.fingerprint:
+                                    if layout.info.num_tokens == row[4]:
+                                        ok += 1
+                                        nbytes += size
+                                        layout = None
+                                    break
+                            if layout is None:
+                                continue
+                self._slow(rel, row)
+                last = -1  # it may have learnt this size's layout
+                if progress and not n & 255:
+                    progress(n, len(jobs), self.nbytes + nbytes)
+        finally:
+            self.ok += ok
+            self.nbytes += nbytes
+        if progress:
+            progress(len(jobs), len(jobs), self.nbytes)
+
+    def _is_file(self, e: os.DirEntry, prefix: str) -> bool:
+        """e.is_file(follow_symlinks=False), failing with the path _scan's listing would name."""
+        try:
+            return e.is_file(follow_symlinks=False)
+        except OSError:
+            try:
+                return stat.S_ISREG(os.lstat(self.root + prefix + e.name).st_mode)
+            except FileNotFoundError:
+                return False
+
+    def _slow(self, rel: str, row: _Row | None) -> None:
+        """check_shard on one file, as _check_batch does."""
+        try:
+            entry = IndexEntry(*row) if row is not None else None
+            self.nbytes += check_shard(self.root + rel, self.expect, "quick", entry)[0]
+            self.ok += 1
+        except ShardBad as e:
+            self.problems.append((rel, "bad", str(e)))
+        except ShardIOError as e:
+            self.problems.append((rel, "error", str(e)))
+
+
+def _quick_part(
+    output_dir: str, buckets: list[str], take: int | list[int], expect: Expect, by_path: dict[str, _Row]
+) -> tuple:
+    """A forked worker of _verify_quick: the folders `take` lists, or those it reads from a pipe."""
+    worker = _QuickWorker(output_dir, buckets, expect, by_path)
+    return worker.run(take if isinstance(take, list) else _queue(take))
+
+
+def _queue(fd: int) -> Iterable[int]:
+    """Folder numbers from a pipe filled before the fork: each read takes the next one (2 bytes)."""
+    while len(b := os.read(fd, 2)) == 2:
+        yield int.from_bytes(b, "little")
+
+
+def _verify_quick(
+    output_dir: str,
+    expect: Expect,
+    lines: list[bytes],
+    report: VerifyReport,
+    workers: int,
+    progress: Callable[[int, int, int], None] | None,
+) -> tuple[list[tuple[str, str, str]], dict[str, _Row]]:
+    """verify_output for `quick` from the index's lines: (problems, by_path), the report filled.
+
+    Each worker lists its own bucket folders and checks their shards (_QuickWorker); forked
+    workers take folders one at a time from a shared pipe, so none idles while another still
+    has work. Verdicts, reasons and every list in the report are those _scan + _check_batch
+    give, in the same order.
+    """
+    entries = _index_rows(lines)
+    by_path: dict[str, _Row] = {}
+    if entries is not None:  # every line good: the checks below in one pass each
+        paths = [row[1] for row in entries.values()]
+        if len(set(paths)) == len(paths) and all(map(_INDEX_PATH.match, paths)):
+            by_path = dict(zip(paths, entries.values(), strict=True))  # ("..": never in a path that matches)
+        else:
+            entries = None
+    if entries is None:
+        state = _replay_index(lines)
+        report.index_bad_lines = state.bad_lines
+        entries = {}
+        for sid, entry in sorted(state.entries.items()):
+            if not _INDEX_PATH.match(entry.path) or ".." in entry.path.split("/"):
+                report.bad.append(
+                    BadShard(sid, entry.path, "index entry points outside shards/ (not touched)")
+                )
+            else:
+                row = (sid, entry.path, entry.size, entry.checksum, entry.num_tokens)
+                entries[sid] = by_path[entry.path] = row
+    try:
+        buckets = _scan_top(output_dir, report.orphans)
+    except PermissionError as e:
+        raise ManifestError(f"{e.filename}: cannot list: {e.strerror}") from None
+    n = min(workers, len(buckets))
+    reap: list[int] = []
+    try:
+        if n > 1 and len(entries) >= _FORK_MIN_QUICK and hasattr(os, "fork"):
+            if len(buckets) <= 1 << 15:  # the whole queue fits in the pipe before anyone reads it
+                r, w = os.pipe()
+                try:
+                    os.write(w, b"".join(i.to_bytes(2, "little") for i in range(len(buckets))))
+                finally:
+                    os.close(w)
+                try:
+                    parts = _fork_map(_quick_part, [(output_dir, buckets, r, expect, by_path)] * n, reap)
+                finally:
+                    os.close(r)
+            else:
+                shares = [list(range(k, len(buckets), n)) for k in range(n)]
+                parts = _fork_map(
+                    _quick_part, [(output_dir, buckets, s, expect, by_path) for s in shares], reap
+                )
+            live = progress
+        else:
+            parts = [_QuickWorker(output_dir, buckets, expect, by_path).run(range(len(buckets)), progress)]
+            live = None  # progress was reported while checking
+        problems = _merge_quick(report, parts, by_path, entries, live)
+    finally:
+        _reap(reap)
+    return problems, by_path
+
+
+def _merge_quick(
+    report: VerifyReport,
+    parts: list[tuple],
+    by_path: dict[str, _Row],
+    entries: dict[str, _Row],
+    progress: Callable[[int, int, int], None] | None,
+) -> list[tuple[str, str, str]]:
+    """The workers' results into the report: counts, orphans, missing and unindexed shards."""
+    failed = [p[6] for p in parts if p[6] is not None]
+    if failed:
+        e = min(failed, key=lambda f: f[0])[1]
+        if isinstance(e, PermissionError):
+            raise ManifestError(f"{e.filename}: cannot list: {e.strerror}") from None
+        raise e
+    total = sum(len(p[0]) for p in parts)
+    problems: list[tuple[str, str, str]] = []
+    found = 0
+    for files, ok, nbytes, part_problems, orphans, unindexed, _ in parts:
+        report.checked += len(files)
+        report.ok += ok
+        report.bytes += nbytes
+        problems.extend(part_problems)
+        report.orphans.extend(orphans)
+        report.unindexed.extend(unindexed)
+        found += len(files) - len(unindexed)
+        if progress:
+            progress(report.checked, total, report.bytes)
+    report.orphans.sort()
+    report.unindexed.sort()
+    if found != len(by_path):  # some indexed shards are not on disk: which (by sample id)
+        gone = by_path.keys() - {rel for p in parts for rel in p[0]}
+        report.missing = sorted(sid for sid, row in entries.items() if row[1] in gone)
+    return problems
 
 
 def verify_output(
@@ -1407,9 +1778,14 @@ def verify_output(
     expect = Expect.from_manifest(read_manifest_dict(output_dir), os.path.join(output_dir, MANIFEST_NAME))
     report = VerifyReport(level=level)
     try:
-        state = read_index(output_dir)
+        lines = _read_index_lines(output_dir)
     except PermissionError as e:
         raise ManifestError(f"{os.path.join(output_dir, INDEX_NAME)}: cannot read: {e.strerror}") from None
+    if level == "quick":
+        problems, rows = _verify_quick(output_dir, expect, lines, report, workers, progress)
+        _report_problems(report, problems, {rel: rows[rel][0] for rel, _, _ in problems if rel in rows})
+        return _finish(report, output_dir, level, quarantine, check_mode, orphan_min_age, started)
+    state = _replay_index(lines)
     report.index_bad_lines = state.bad_lines
     try:
         on_disk = _scan(output_dir, report.orphans)
@@ -1470,14 +1846,30 @@ def verify_output(
         for b in batches:
             add(_check_batch(output_dir, b, level, expect, deep_check))
 
+    _report_problems(report, problems, {p: e.sample_id for p, e in by_path.items()})
+    return _finish(report, output_dir, level, quarantine, check_mode, orphan_min_age, started)
+
+
+def _report_problems(report: VerifyReport, problems: list[tuple[str, str, str]], ids: dict[str, str]) -> None:
+    """Problems (relative path, 'bad' or 'error', reason) into the report; `ids`: path -> sample id."""
     problems.sort()
     for rel, status, reason in problems:
         if status == "bad":
-            entry = by_path.get(rel)
-            report.bad.append(BadShard(entry.sample_id if entry else None, rel, reason))
+            report.bad.append(BadShard(ids.get(rel), rel, reason))
         else:
             report.errors.append(reason)
 
+
+def _finish(
+    report: VerifyReport,
+    output_dir: str,
+    level: str,
+    quarantine: bool,
+    check_mode: bool,
+    orphan_min_age: float,
+    started: float,
+) -> VerifyReport:
+    """Quarantine (when asked and nothing failed to read), then time the report."""
     if quarantine and not check_mode and not report.errors:
         _quarantine(output_dir, report, level)
         cutoff = time.time() - orphan_min_age

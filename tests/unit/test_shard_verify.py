@@ -338,10 +338,14 @@ def test_unreadable_shard_exits_2_and_moves_nothing(tmp_path, capsys, monkeypatc
     else:  # root reads anything: make the kernel's answer for this one path EACCES
         real_open = os.open
 
-        def deny(path, *a, **k):
-            if str(path) == locked:
+        def deny(path, *a, dir_fd=None, **k):  # by its path, or by its name in its open folder
+            if dir_fd is not None:
+                full = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+            else:
+                full = str(path)
+            if full == locked:
                 raise PermissionError(13, "Permission denied", path)
-            return real_open(path, *a, **k)
+            return real_open(path, *a, dir_fd=dir_fd, **k)
 
         monkeypatch.setattr(fmt.os, "open", deny)
     before = tree(tmp_path)

@@ -8,8 +8,10 @@ check and the single directory pass for shards and orphan temps.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
+import time
 import types
 import zlib
 from pathlib import Path
@@ -140,7 +142,9 @@ def test_quick_forks_workers_and_agrees_with_one(tmp_path, monkeypatch):
     monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
     forks: list[int] = []
     real = fmt._fork_map
-    monkeypatch.setattr(fmt, "_fork_map", lambda fn, parts: forks.append(len(parts)) or real(fn, parts))
+    monkeypatch.setattr(
+        fmt, "_fork_map", lambda fn, parts, *a: forks.append(len(parts)) or real(fn, parts, *a)
+    )
     three = fmt.verify_output(str(tmp_path), "quick", workers=3)
     assert forks == [3]
     assert [(b.path, b.reason) for b in one.bad] == [(b.path, b.reason) for b in three.bad]
@@ -254,3 +258,141 @@ def test_one_directory_pass_finds_the_same_orphans(tmp_path):
     assert shards == fmt.scan_shards(str(tmp_path)) and len(shards) == 3
     assert orphans == fmt.find_orphan_temps(str(tmp_path)) and len(orphans) == 3
     assert fmt.verify_output(str(tmp_path)).orphans == orphans
+
+
+def _plain_reasons(root: Path, entries) -> dict[str, str | None]:
+    """check_shard's own verdict on every indexed path (the plain path quick must agree with)."""
+    out: dict[str, str | None] = {}
+    for e in entries:
+        try:
+            fmt.check_shard(str(root / e.path), expect(), "quick", e)
+            out[e.path] = None
+        except fmt.ShardBad as err:
+            out[e.path] = str(err)
+    return out
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_quick_fast_path_sends_odd_files_to_the_plain_checks(tmp_path, monkeypatch, workers):
+    # Shards of one length: after one run every size has a known layout, so each file below
+    # reaches the 3-system-call path and must still be judged exactly as check_shard judges it.
+    monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
+    _, entries = make_run(tmp_path, n=12, length=4)
+    assert fmt.verify_output(str(tmp_path), "quick", workers=workers).ok == 12
+    p = [tmp_path / e.path for e in entries]
+    data = p[0].read_bytes()
+    p[0].unlink()
+    os.mkfifo(p[0])  # a FIFO: must not block
+    p[1].unlink()
+    p[1].mkdir()  # a directory
+    target = tmp_path / "elsewhere.pt"
+    target.write_bytes(data)
+    p[2].unlink()
+    p[2].symlink_to(target)  # a symlink to a good shard
+    p[3].write_bytes(p[3].read_bytes() + b"\0")  # one byte more than the index says
+    p[4].write_bytes(p[4].read_bytes()[:-1])  # one byte less
+    fmt.append_index(str(tmp_path), [{**fmt.index_record(entries[5]), "size": entries[5].size + 1}])
+    fmt.append_index(str(tmp_path), [{**fmt.index_record(entries[6]), "num_tokens": 9}])
+    p[7].write_bytes(data)  # another sample's bytes: same size and layout, right tokens: passes
+    flip(p[8], 40)  # inside the pickle
+    entries = list(fmt.load_index(str(tmp_path)).values())
+    plain = _plain_reasons(tmp_path, entries)
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("quick blocked on a file"))
+    signal.alarm(20)
+    try:
+        r = fmt.verify_output(str(tmp_path), "quick", workers=workers)
+    finally:
+        signal.alarm(0)
+    assert {b.path: b.reason for b in r.bad} == {k: v for k, v in plain.items() if v is not None}
+    reasons = {b.path: b.reason for b in r.bad}
+    assert reasons[entries[0].path] == reasons[entries[1].path] == "not a regular file"
+    assert reasons[entries[2].path].startswith("a symlink")
+    assert "differs from the index" in reasons[entries[5].path]
+    assert "the index says 9" in reasons[entries[6].path]
+    assert len(r.bad) == 8 and r.ok == 4 and r.checked == 12 and not r.errors and not r.missing
+
+
+def test_quick_reads_known_small_shards_without_the_plain_checks(tmp_path, monkeypatch):
+    _, entries = make_run(tmp_path, n=20, length=5)
+    fmt.verify_output(str(tmp_path), "quick")  # learns the layout
+    calls: list[str] = []
+    real = fmt.check_shard
+    monkeypatch.setattr(fmt, "check_shard", lambda path, *a, **k: calls.append(path) or real(path, *a, **k))
+    r = fmt.verify_output(str(tmp_path), "quick")
+    assert r.ok == 20 and r.bytes == sum(e.size for e in entries) and calls == []
+    (tmp_path / entries[3].path).write_bytes(b"PK junk")
+    r = fmt.verify_output(str(tmp_path), "quick")
+    assert calls == [str(tmp_path / entries[3].path)] and r.ok == 19
+
+
+def _rows_of(root: Path) -> dict[str, tuple]:
+    return {
+        e.sample_id: (e.sample_id, e.path, e.size, e.checksum, e.num_tokens)
+        for e in fmt.read_index(str(root)).entries.values()
+    }
+
+
+def test_index_rows_take_only_lines_written_by_us_and_agree_with_read_index(tmp_path):
+    _, entries = make_run(tmp_path, n=5)
+    index = tmp_path / fmt.INDEX_NAME
+    good = index.read_bytes()
+    lines = good.splitlines(keepends=True)
+    assert fmt._index_rows(lines) == _rows_of(tmp_path) and len(_rows_of(tmp_path)) == 5
+    e = entries[0]
+    odd = [
+        fmt.encode_index_line(fmt.tombstone_record(e.sample_id, "bad")),  # a tombstone
+        fmt.encode_index_line({**fmt.index_record(e), "size": str(e.size)}),  # converted by read_index
+        fmt.encode_index_line({**fmt.index_record(e), "size": True}),
+        fmt.encode_index_line({**fmt.index_record(e), "removed": False}),  # another key
+        fmt.encode_index_line({**fmt.index_record(e), "path": 7}),
+        lines[0][:-9] + lines[0][-9:-1].upper() + b"\n",  # a valid CRC in capitals
+        lines[0][:-2] + b"x\n",  # a damaged line
+        lines[0][:-1],  # a torn tail
+        b"[1]\t" + b"%08x" % zlib.crc32(b"[1]") + b"\n",  # not an object
+    ]
+    for extra in odd:
+        index.write_bytes(good + extra)
+        assert fmt._index_rows((good + extra).splitlines(keepends=True)) is None, extra
+        # verify_output then replays the index line by line, as read_index does
+        r = fmt.verify_output(str(tmp_path), "quick")
+        state = fmt.read_index(str(tmp_path))
+        assert r.index_bad_lines == state.bad_lines
+        assert r.checked == 5 and len(r.missing) + r.ok + len(r.bad) >= 5
+    index.write_bytes(good + fmt.encode_index_line({**fmt.index_record(e), "sample": 1}))
+    assert fmt._index_rows(index.read_bytes().splitlines(keepends=True)) is None
+
+
+def test_index_rows_later_lines_win_and_paths_outside_go_the_plain_way(tmp_path):
+    _, entries = make_run(tmp_path, n=3)
+    e = entries[1]
+    fmt.append_index(str(tmp_path), [{**fmt.index_record(e), "num_tokens": 42}])
+    lines = (tmp_path / fmt.INDEX_NAME).read_bytes().splitlines(keepends=True)
+    assert fmt._index_rows(lines) == _rows_of(tmp_path) and _rows_of(tmp_path)[e.sample_id][4] == 42
+    r = fmt.verify_output(str(tmp_path), "quick")
+    assert [b.reason for b in r.bad] == [f"{e.num_tokens} tokens, the index says 42"]
+    fmt.append_index(str(tmp_path), [{**fmt.index_record(entries[0]), "id": "a-twin"}])  # one path, two ids
+    lines = (tmp_path / fmt.INDEX_NAME).read_bytes().splitlines(keepends=True)
+    assert fmt._index_rows(lines) == _rows_of(tmp_path)
+    (tmp_path / entries[0].path).write_bytes(b"junk")
+    r = fmt.verify_output(str(tmp_path), "quick")  # the later id in sorted order owns the path
+    bad = sorted((b.sample_id, b.path) for b in r.bad)
+    assert bad == [(entries[0].sample_id, entries[0].path), (e.sample_id, e.path)]
+    other = tmp_path / "other"
+    _, entries = make_run(other, n=3)
+    fmt.append_index(str(other), [{**fmt.index_record(entries[2]), "path": "../x.pt"}])
+    r = fmt.verify_output(str(other), "quick")
+    assert [b.reason for b in r.bad] == ["index entry points outside shards/ (not touched)"]
+    assert r.unindexed == [entries[2].path] and r.ok == 3
+
+
+def test_forked_quick_workers_are_collected(tmp_path, monkeypatch):
+    monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
+    make_run(tmp_path, n=8)
+    for _ in range(3):
+        assert fmt.verify_output(str(tmp_path), "quick", workers=3).ok == 8
+    for _ in range(100):
+        fmt._reap([])
+        if not fmt._EXITING:
+            break
+        time.sleep(0.05)
+    assert fmt._EXITING == []
