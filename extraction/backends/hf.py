@@ -180,10 +180,11 @@ class HFBackend:
     def extract_async(self, samples: list[Sample]) -> PendingStates:
         """Queue the forward and the copy to the host; the states are valid after `.wait()`.
 
-        On CUDA the batch's states land in pinned host memory by a non-blocking copy on the
-        compute stream, followed by an event: this thread returns at once and can queue the next
-        batch, and whoever writes the shards waits on the event. Each sample's states are views
-        of the batch buffer (the shard writer copies each into a tensor owning its bytes).
+        On CUDA the batch's states land in pinned host memory by non-blocking copies on a copy
+        stream of their own, followed by an event: this thread returns at once and queues the next
+        batch, whose kernels run while the copy engine moves this one (on the compute stream the
+        copy held the next forward back ~5 ms per batch of 268 MB). Whoever writes the shards
+        waits on the event. Each sample's states are views of the batch buffer.
         """
         if not samples:
             return PendingStates([], None)
@@ -195,11 +196,16 @@ class HFBackend:
             host_final = torch.empty(final.shape, dtype=final.dtype, pin_memory=True)
             host_aux = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
             finite = torch.empty(dev_finite.shape, dtype=torch.bool, pin_memory=True)
-            host_final.copy_(final, non_blocking=True)
-            host_aux.copy_(aux, non_blocking=True)
-            finite.copy_(dev_finite, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            copy_stream = self._copy_stream()
+            copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(copy_stream):
+                host_final.copy_(final, non_blocking=True)
+                host_aux.copy_(aux, non_blocking=True)
+                finite.copy_(dev_finite, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(copy_stream)
+            for t in (final, aux, dev_finite):  # not reused by the allocator before the copy ends
+                t.record_stream(copy_stream)
             final, aux = host_final, host_aux
         elif self.device.type != "cpu":
             final, aux = final.to("cpu"), aux.to("cpu")
@@ -213,6 +219,12 @@ class HFBackend:
             for row, (s, n) in enumerate(zip(samples, lengths, strict=True))
         ]
         return PendingStates(results, event, finite, lengths)
+
+    def _copy_stream(self) -> torch.cuda.Stream:
+        stream = getattr(self, "_d2h_stream", None)
+        if stream is None:
+            stream = self._d2h_stream = torch.cuda.Stream(self.device)
+        return stream
 
     def extract(self, samples: list[Sample]) -> list[SampleStates]:
         """Synchronous: each sample's states on the host, contiguous, owning exactly their bytes."""

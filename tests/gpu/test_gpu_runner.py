@@ -51,6 +51,11 @@ def test_async_same_bits_as_blocking_and_flags_nan(model_dir: Path) -> None:
     backend = HFBackend(model_dir, LAYERS, dtype="bf16", device="cuda")
     samples = _samples()
     sync = backend.extract(samples)
+    final, aux, lengths = backend.forward_states(samples)  # reference: a plain blocking .cpu()
+    for row, n in enumerate(lengths):
+        assert torch.equal(sync[row].hidden_state, final[row, :n].cpu())
+        assert torch.equal(sync[row].aux_hidden_state, aux[row, :n].cpu())
+    del final, aux
     pending = [backend.extract_async(samples) for _ in range(3)]  # queued back to back
     for p in pending:
         got = p.wait()
