@@ -309,12 +309,12 @@ class ShardWriter:
 
     def _encode(self, payload: dict[str, torch.Tensor]) -> torchzip.Encoded | None:
         """The shard's bytes as pieces, or None where torch.save must write it (no checked
-        layout on this host, or a record past 4 GiB)."""
+        layout on this host, a record past 4 GiB, a dtype without a storage name)."""
         if self._layout is None:
             return None
         try:
             return self._layout.encode(payload)
-        except ValueError:
+        except (ValueError, KeyError):  # beyond 4 GiB, or a dtype the layout was not checked for
             return None
 
 
