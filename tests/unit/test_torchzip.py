@@ -98,3 +98,13 @@ def test_records_past_4_gib_are_refused(monkeypatch):
     monkeypatch.setattr(torchzip, "tensor_buffer", lambda t: Huge() if t is payload[fmt.KEY_AUX] else original(t))
     with pytest.raises(ValueError, match="4 GiB"):
         layout.encode(payload)
+
+
+def test_without_a_crc32_combine_the_file_crc_is_still_right():
+    # zlib has no crc32_combine in Python: the whole-file CRC then takes a second pass.
+    layout, _ = torchzip.layout_for(torch.bfloat16)
+    plain = torchzip.TorchZipLayout(layout.prefix, layout.records, layout.name_hash, zlib.crc32, None)
+    payload = _payload(33, 16, torch.bfloat16)
+    want = _torch_save(payload)
+    encoded = plain.encode(payload)
+    assert b"".join(bytes(p) for p in encoded.pieces) == want and encoded.crc == zlib.crc32(want)
