@@ -1621,15 +1621,12 @@ class _QuickWorker:
                 return False
 
     def _slow(self, rel: str, row: _Row | None) -> None:
-        """check_shard on one file, as _check_batch does."""
-        try:
-            entry = IndexEntry(*row) if row is not None else None
-            self.nbytes += check_shard(self.root + rel, self.expect, "quick", entry)[0]
-            self.ok += 1
-        except ShardBad as e:
-            self.problems.append((rel, "bad", str(e)))
-        except ShardIOError as e:
-            self.problems.append((rel, "error", str(e)))
+        """check_shard on one file, through _check_batch (its verdict and reason)."""
+        entry = IndexEntry(*row) if row is not None else None
+        _, ok, nbytes, problems = _check_batch(self.output_dir, [(rel, entry)], "quick", self.expect, None)
+        self.ok += ok
+        self.nbytes += nbytes
+        self.problems.extend(problems)
 
 
 def _quick_part(

@@ -288,19 +288,19 @@ def learn_layout(dtype: torch.dtype) -> tuple[TorchZipLayout | None, str]:
         reference = _torch_save_bytes(_probe(dtype, 5))
         reader = fmt._Reader(-1, len(reference), reference)
         zrecords, _ = fmt.read_zip_records(reader)
-        names = [r.name for r in sorted(zrecords, key=lambda r: r.data_offset)]
-        prefix = names[0].split("/", 1)[0] + "/"
+        in_file_order = sorted(zrecords, key=lambda r: r.data_offset)
+        prefix = in_file_order[0].name.split("/", 1)[0] + "/"
         records: list[_Record] = []
         name_hash = ""
-        for rec in sorted(zrecords, key=lambda r: r.data_offset):
+        for rec in in_file_order:
             short = rec.name[len(prefix) :] if rec.name.startswith(prefix) else rec.name
             data = reference[rec.data_offset : rec.data_offset + rec.size]
             if short == _ID_RECORD:
                 name_hash = data[:20].decode()
             is_variable = short in ("data.pkl", _ID_RECORD) or short.startswith("data/")
             records.append(_Record(short, None if is_variable else data))
-        _, crc32, combine = fmt._crc_backend()
-        layout = TorchZipLayout(prefix, records, name_hash, crc32, combine)
+        # The CRC32 format chose (and checked against zlib) at import, as `full` uses it.
+        layout = TorchZipLayout(prefix, records, name_hash, fmt._crc32, fmt._crc32_combine_lib)
         for length in (5, 300):  # two lengths: a second int width, and the id is no copy
             payload = _probe(dtype, length)
             want = _torch_save_bytes(payload)

@@ -6,8 +6,8 @@ laid out directly by `torchzip` (checked byte for byte against this host's torch
 tensors go to one writev from where they lie, the GIL released) or, where that check fails, by
 torch.save itself. The index's checksum is the CRC32 of the whole file (the same bytes `full`
 verification checksums). A crash at any point leaves either no final file, or a complete fsynced
-one that the index may not list yet (the verifier reports it as unindexed). Temp names start with '.' and end in '.tmp', so nothing
-that looks for `.pt` files ever sees one.
+one that the index may not list yet (the verifier reports it as unindexed). Temp names start with
+'.' and end in '.tmp', so nothing that looks for `.pt` files ever sees one.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from extraction import runner as runner_mod  # noqa: E402
-from extraction.backends.hf import HFBackend  # noqa: E402
+from extraction.backends.hf import HFBackend, torch_dtype  # noqa: E402
 from extraction.config import build_config  # noqa: E402
 from extraction.dataset import ChatTokenizer, load_tokenizer, scan_dataset  # noqa: E402
 from extraction.runner import Runner, iter_batches_for_bench  # noqa: E402
@@ -201,9 +201,7 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="where to write (default: a temp dir, removed)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument(
-        "--writer-threads",
-        default="0",
-        help="runner variants, comma list of writer thread counts (0: auto)"
+        "--writer-threads", default="0", help="runner writer threads, comma list of variants (0: auto)"
     )
     ap.add_argument(
         "--sides", default="A,A2,B,C", help="which sides to time, e.g. A,B (B: the runner variants)"
@@ -250,9 +248,8 @@ def main() -> int:
         try:  # the code under test may predate torchzip (an older checkout on PYTHONPATH)
             from extraction.shards import torchzip
 
-            dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-            print(f"shard writer: {'direct layout' if torchzip.layout_for(dt)[0] else 'torch.save'}: "
-                  f"{torchzip.layout_for(dt)[1]}")
+            layout, how = torchzip.layout_for(torch_dtype(args.dtype))
+            print(f"shard writer: {'direct layout' if layout else 'torch.save'}: {how}")
         except ImportError:
             print("shard writer: torch.save (this code has no torchzip)")
         forward_only(backend, batches[:2], args.device)  # warm-up
@@ -260,7 +257,7 @@ def main() -> int:
         # Warm the runner path too (pinned host memory, page cache, the writer pool): a quarter run.
         runner_run(cfg_kw, work / "warm", limit=max(2 * args.batch_size, args.samples // 4))
         shutil.rmtree(work / "warm")
-        variants = args.writer_threads.split(",")
+        variants = [int(x) for x in args.writer_threads.split(",")]
         bkeys = [f"B{w}" for w in variants]
         sides: dict[str, list[float]] = {k: [] for k in ["A", "A2", *bkeys, "C"]}
         skip = {"A2", "C"} - set(args.sides.split(","))  # not timed: reported as nan
