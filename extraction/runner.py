@@ -64,7 +64,13 @@ EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 
 WINDOW_BATCHES = 16  # a planning window holds this many batches' worth of samples
-QUEUE_BATCHES = 4  # batches buffered between tokenizer -> forward -> writer
+QUEUE_BATCHES = 4  # batches buffered between forward -> writer (and at least this many tokenizer -> forward)
+# Token tensors (ids + mask, int64) the tokenizer thread may hold ahead of the forward. It starts
+# before the model loads (minutes for a real target), so a run's first tens of thousands of samples
+# are tokenized before the first forward and their template rendering (Python, the GIL) stays out
+# of the forward thread's way. A batch is counted at its longest possible size.
+TOKENIZE_AHEAD_BYTES = 256 << 20
+_UNTRUNCATED_TOKENS = 32768  # the size a batch is counted at when --max-length is not set
 # Shards published at once; 0: 1 on <= 4 cores, else 2. More writers hold the GIL more (torch.save's
 # record writing does), which slows the forward thread: on an H200 host 2 beat 4 (docs/benchmarks.md).
 WRITER_THREADS = 0
@@ -87,6 +93,12 @@ def assigned_to(sample_id: str, shard_index: int, num_shards: int) -> bool:
         return True
     h = int.from_bytes(hashlib.sha256(sample_id.encode("utf-8")).digest()[:8], "big")
     return h % num_shards == shard_index
+
+
+def tokenize_ahead_batches(batch_size: int, max_length: int | None) -> int:
+    """How many tokenized batches may wait for the forward: TOKENIZE_AHEAD_BYTES' worth, at least QUEUE_BATCHES."""
+    per_batch = max(1, batch_size) * (max_length or _UNTRUNCATED_TOKENS) * 16
+    return max(QUEUE_BATCHES, TOKENIZE_AHEAD_BYTES // per_batch)
 
 
 def plan_windows(entries: list[DatasetEntry], batch_size: int) -> list[list[DatasetEntry]]:
@@ -212,7 +224,9 @@ class Runner:
         self.writer_threads = WRITER_THREADS or (1 if (os.cpu_count() or 1) <= 4 else 2)
         self._guard_lock = threading.Lock()
         self._inflight_bytes = 0
-        self.batch_q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
+        self.batch_q: queue.Queue = queue.Queue(
+            maxsize=tokenize_ahead_batches(cfg.batch_size, cfg.max_length)
+        )
         # Where the time went (seconds; perf_counter stamps for the start/end marks). The model
         # is ready at `ready_at`; `pipeline_end_at` is after the last shard is indexed.
         self.timings: dict[str, float] = {

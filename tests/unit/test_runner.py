@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,18 @@ from extraction.backends.hf import HFBackend
 from extraction.cli import main
 from extraction.config import ConfigError, build_config
 from extraction.dataset import scan_dataset
-from extraction.runner import EXIT_FAILED, EXIT_OK, EXIT_PAUSED, EXIT_USAGE, all_finite, assigned_to
+from extraction.runner import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_PAUSED,
+    EXIT_USAGE,
+    QUEUE_BATCHES,
+    TOKENIZE_AHEAD_BYTES,
+    Runner,
+    all_finite,
+    assigned_to,
+    tokenize_ahead_batches,
+)
 from extraction.shards import format as fmt
 from extraction.status import ERRORS_NAME, read_status
 from extraction.tiny import write_tiny_dataset
@@ -288,6 +300,34 @@ def test_shards_split_dataset_without_overlap(tiny_model_dir, dataset, backend, 
         assert got[-1] == {s for s in ids if assigned_to(s, i, 3)}
     assert set().union(*got) == ids and sum(map(len, got)) == len(ids)
     assert all(got)
+
+
+def test_tokenizer_runs_ahead_while_the_model_loads(tiny_model_dir, dataset, backend, tmp_path, ids) -> None:
+    """All 10 batches are tokenized during a slow model load, not only the forward queue's 4."""
+    batches = N // 2
+    assert tokenize_ahead_batches(2, 40) > batches > QUEUE_BATCHES
+    seen: list[int] = []
+
+    def slow_load(_cfg, _ids):
+        deadline = time.monotonic() + 10
+        while runner.batch_q.qsize() < batches + 1 and time.monotonic() < deadline:  # + the end mark
+            time.sleep(0.01)
+        seen.append(runner.batch_q.qsize())
+        return backend
+
+    out = tmp_path / "out"
+    runner = Runner(
+        make_cfg(tiny_model_dir, dataset, out, batch_size=2), backend_factory=slow_load, log=lambda _m: None
+    )
+    assert runner.run() == EXIT_OK
+    assert seen == [batches + 1]
+    assert_complete(out, ids)
+
+
+def test_tokenize_ahead_is_bounded_by_bytes() -> None:
+    assert tokenize_ahead_batches(16, 1024) == TOKENIZE_AHEAD_BYTES // (16 * 1024 * 16)
+    assert tokenize_ahead_batches(16, None) == TOKENIZE_AHEAD_BYTES // (16 * 32768 * 16)
+    assert tokenize_ahead_batches(4096, 1 << 20) == QUEUE_BATCHES
 
 
 def test_limit(tiny_model_dir, dataset, backend, tmp_path) -> None:
