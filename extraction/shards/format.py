@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import importlib
+import itertools
 import json
 import operator
 import os
@@ -894,7 +895,7 @@ class _Layout:
             if a > cursor:
                 regions.append(slice(cursor, a))
             cursor = max(cursor, b)
-        regions.append(slice(cursor, info.size))
+        regions.append(slice(cursor, None))  # to the end of the data given: another length never matches
         # One C call slices every region: (data[r0], data[r1], ...) compared as a tuple.
         self.get = operator.itemgetter(*regions, slice(0, 0))
         self.info = info
@@ -1441,6 +1442,7 @@ _LINE_CRC = operator.itemgetter(slice(-9, -1))
 _LINE_TAB = operator.itemgetter(slice(-10, -9))
 _ROW = operator.itemgetter("id", "path", "size", "checksum", "num_tokens")  # IndexEntry's field order
 _BY_SIZE = operator.itemgetter(0)
+_ROW_TOKENS = operator.itemgetter(4)
 _MAX_DIR_FDS = 512  # bucket folders a quick worker keeps open (more are opened by path)
 
 # An index entry as `quick` passes it around: (sample_id, path, size, checksum, num_tokens).
@@ -1505,7 +1507,7 @@ class _QuickWorker:
         CPU's cache instead of being fetched again for every file (runs have ~2k lengths).
         """
         fds: list[int] = []
-        jobs: list[tuple[int, str, int | None, str, str, _Row | None, bool]] = []
+        jobs: list[tuple[int, str, int | None, str, _Row | None, bool]] = []
         try:
             for i in take:
                 try:
@@ -1524,7 +1526,7 @@ class _QuickWorker:
         return self.files, self.ok, self.nbytes, self.problems, self.orphans, self.unindexed, self.error
 
     def _list(self, i: int, fds: list[int], jobs: list) -> None:
-        """List folder i: its shards become jobs (indexed size, name, folder fd, base, rel, row, regular)."""
+        """List folder i: its shards become jobs (indexed size, path to open, folder fd, rel, row, regular)."""
         path = os.path.join(self.output_dir, SHARDS_DIR, self.buckets[i])
         prefix = f"{SHARDS_DIR}/{self.buckets[i]}/"
         fd = None
@@ -1566,49 +1568,63 @@ class _QuickWorker:
                 regular = e.is_file(follow_symlinks=False)  # d_type: no system call
             except OSError:
                 regular = False
-            append((size, name, fd, base, rel, row, regular))
+            append((size, base + name, fd, rel, row, regular))
 
     def _check(self, jobs: list, progress: Callable[[int, int, int], None] | None) -> None:
-        layouts = _LAYOUTS
-        h, k, dt = self.expect.hidden_size, self.expect.num_aux, self.expect.dtype
-        op, pread, close, flags = os.open, os.pread, os.close, _FAST_OPEN
-        last, known = -1, None
-        ok = nbytes = 0
-        try:
-            for n, (size, name, fd, base, rel, row, regular) in enumerate(jobs, 1):
-                if size != last:
-                    last, known = size, layouts.get((size, h, k, dt)) if size else None
-                if known and regular:
-                    try:
-                        f = op(base + name, flags, dir_fd=fd)
-                    except OSError:
-                        f = -1
-                    if f >= 0:
-                        try:
-                            data = pread(f, size + 1, 0)
-                        except OSError:
-                            data = b""
-                        finally:
-                            close(f)
-                        if len(data) == size:
-                            for layout in known:
-                                if layout.get(data) == layout.fingerprint:
-                                    if layout.info.num_tokens == row[4]:
-                                        ok += 1
-                                        nbytes += size
-                                        layout = None
-                                    break
-                            if layout is None:
-                                continue
-                self._slow(rel, row)
-                last = -1  # it may have learnt this size's layout
-                if progress and not n & 255:
-                    progress(n, len(jobs), self.nbytes + nbytes)
-        finally:
-            self.ok += ok
-            self.nbytes += nbytes
+        """The jobs (sorted by size) one size at a time (_check_size), progress every 256 shards."""
+        total, done = len(jobs), 0
+        for size, same in itertools.groupby(jobs, _BY_SIZE):
+            group = list(same)
+            self._check_size(size, group)
+            done += len(group)
+            if progress and (done - len(group)) >> 8 != done >> 8:
+                progress(done, total, self.nbytes)
         if progress:
-            progress(len(jobs), len(jobs), self.nbytes)
+            progress(total, total, self.nbytes)
+
+    def _check_size(self, size: int, group: list) -> None:
+        """Shards of one indexed size: read them all, then compare them with the layout known for
+        that size in C-level passes (map), so a shard costs little Python beyond its three system
+        calls. A shard that fails any of it (or has no known layout) goes to _slow for its verdict.
+        """
+        key = (size, self.expect.hidden_size, self.expect.num_aux, self.expect.dtype)
+        start = 0
+        if size:  # no known layout yet: the first shards that pass the full check teach it
+            while start < len(group) and not _LAYOUTS.get(key):
+                self._slow(group[start][3], group[start][4])
+                start += 1
+        known = _LAYOUTS.get(key) if size else None
+        rest = group[start:]
+        if not rest:
+            return
+        if not known:
+            for job in rest:
+                self._slow(job[3], job[4])
+            return
+        _, paths, dir_fds, _, rows, regular = zip(*rest, strict=True)
+        if not all(regular):  # the listing says something else than a regular file: never opened here
+            for job in rest:
+                if not job[5]:
+                    self._slow(job[3], job[4])
+            rest = [job for job in rest if job[5]]
+            _, paths, dir_fds, _, rows, regular = zip(*rest, strict=True) if rest else ((),) * 6
+        datas = _read_files(paths, dir_fds, size + 1)  # +1: a longer file reads longer and fails the compare
+        layout = known[0]
+        matched = list(map(layout.fingerprint.__eq__, map(layout.get, datas)))  # length, too: see _Layout
+        tokens = list(map(layout.info.num_tokens.__eq__, map(_ROW_TOKENS, rows)))
+        if all(matched) and all(tokens):
+            self.ok += len(rest)
+            self.nbytes += size * len(rest)
+            return
+        for job, data, match, token in zip(rest, datas, matched, tokens, strict=True):
+            if not match:
+                other = next((lo for lo in known[1:] if lo.get(data) == lo.fingerprint), None)
+                match, token = other is not None, other is not None and other.info.num_tokens == job[4][4]
+            if match and token:
+                self.ok += 1
+                self.nbytes += size
+            else:
+                self._slow(job[3], job[4])
 
     def _is_file(self, e: os.DirEntry, prefix: str) -> bool:
         """e.is_file(follow_symlinks=False), failing with the path _scan's listing would name."""
@@ -1627,6 +1643,30 @@ class _QuickWorker:
         self.ok += ok
         self.nbytes += nbytes
         self.problems.extend(problems)
+
+
+def _read_files(paths: Iterable[str], dir_fds: Iterable[int | None], want: int) -> list[bytes]:
+    """The first `want` bytes of each file (opened relative to its folder's fd, never through a
+    symlink, never blocking); b"" for one that cannot be opened or read (the full check says why).
+    """
+    out: list[bytes] = []
+    append = out.append
+    op, pread, close, flags = os.open, os.pread, os.close, _FAST_OPEN
+    pairs = zip(paths, dir_fds, strict=True)
+    done = False
+    while not done:
+        try:
+            for path, dir_fd in pairs:
+                f = op(path, flags, dir_fd=dir_fd)
+                try:
+                    data = pread(f, want, 0)
+                finally:
+                    close(f)
+                append(data)
+            done = True
+        except OSError:  # this file only; the loop goes on with the next
+            append(b"")
+    return out
 
 
 def _quick_part(

@@ -25,6 +25,7 @@ def test_format_module_imports_only_the_standard_library():
         "errno",
         "hashlib",
         "importlib",
+        "itertools",
         "json",
         "operator",
         "os",

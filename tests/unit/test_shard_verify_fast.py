@@ -325,6 +325,38 @@ def test_quick_reads_known_small_shards_without_the_plain_checks(tmp_path, monke
     assert calls == [str(tmp_path / entries[3].path)] and r.ok == 19
 
 
+def test_quick_keeps_two_layouts_of_one_size_on_the_fast_path(tmp_path, monkeypatch):
+    """Shards of one size whose records are named differently (torch.save by path names them after
+    the file): both layouts are learnt, and shards of either pass without the plain checks."""
+    import torch
+
+    _, entries = make_run(tmp_path, n=8, length=5)
+    records = []
+    for e in entries[::2]:  # every other one re-saved by path under a 7-letter name (as long as "archive")
+        alt = tmp_path / "abcdefg.pt"
+        torch.save(torch.load(tmp_path / e.path, weights_only=True), alt)
+        data = alt.read_bytes()
+        assert len(data) == e.size and b"abcdefg/data.pkl" in data
+        os.replace(alt, tmp_path / e.path)
+        crc = fmt.checksum_string(zlib.crc32(data))
+        records.append(fmt.index_record(fmt.IndexEntry(e.sample_id, e.path, e.size, crc, e.num_tokens)))
+    fmt.append_index(str(tmp_path), records)
+    monkeypatch.setattr(fmt, "_LAYOUTS", {})
+    assert fmt.verify_output(str(tmp_path), "full").ok == 8
+    fmt.verify_output(str(tmp_path), "quick")  # learns both
+    assert len(fmt._LAYOUTS[(entries[0].size, *_expect_key(tmp_path))]) == 2
+    calls: list[str] = []
+    real = fmt.check_shard
+    monkeypatch.setattr(fmt, "check_shard", lambda path, *a, **k: calls.append(path) or real(path, *a, **k))
+    r = fmt.verify_output(str(tmp_path), "quick")
+    assert r.ok == 8 and calls == []
+
+
+def _expect_key(root: Path) -> tuple:
+    e = fmt.Expect.from_manifest(fmt.read_manifest_dict(str(root)))
+    return e.hidden_size, e.num_aux, e.dtype
+
+
 def _rows_of(root: Path) -> dict[str, tuple]:
     return {
         e.sample_id: (e.sample_id, e.path, e.size, e.checksum, e.num_tokens)
