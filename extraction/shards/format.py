@@ -1601,13 +1601,14 @@ class _QuickWorker:
             for job in rest:
                 self._slow(job[3], job[4])
             return
-        _, paths, dir_fds, _, rows, regular = zip(*rest, strict=True)
-        if not all(regular):  # the listing says something else than a regular file: never opened here
+        if not all(job[5] for job in rest):  # the listing says something else than a regular file: never opened here
             for job in rest:
                 if not job[5]:
                     self._slow(job[3], job[4])
             rest = [job for job in rest if job[5]]
-            _, paths, dir_fds, _, rows, regular = zip(*rest, strict=True) if rest else ((),) * 6
+            if not rest:
+                return
+        _, paths, dir_fds, _, rows, _ = zip(*rest, strict=True)
         datas = _read_files(paths, dir_fds, size + 1)  # +1: a longer file reads longer and fails the compare
         layout = known[0]
         matched = list(map(layout.fingerprint.__eq__, map(layout.get, datas)))  # length, too: see _Layout

@@ -71,7 +71,7 @@ def essentials(report: dict, host: str) -> dict:
         return JOB_LIVE.sub("running or done, N/N done, N samples/s", text)
 
     job = report["after"]["job"]
-    live = {"active": "running or done", "inactive": "running or done"}
+    state = job.get("active_state")
 
     moving = {"storage", "job"}  # free bytes and samples done/rate differ by host and by second
     return {
@@ -82,7 +82,7 @@ def essentials(report: dict, host: str) -> dict:
         "before_units": report["before"].get("units_running"),
         "after_job": {
             **{k: job.get(k) for k in ("unit", "started", "restarted")},
-            "active_state": live.get(job.get("active_state"), job.get("active_state")),
+            "active_state": "running or done" if state in ("active", "inactive") else state,
         },
         "after_changes": {k: report["after"][k] for k in ("shards_quarantined", "units_changed", "processes_ended")},
     }

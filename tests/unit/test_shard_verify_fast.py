@@ -344,17 +344,13 @@ def test_quick_keeps_two_layouts_of_one_size_on_the_fast_path(tmp_path, monkeypa
     monkeypatch.setattr(fmt, "_LAYOUTS", {})
     assert fmt.verify_output(str(tmp_path), "full").ok == 8
     fmt.verify_output(str(tmp_path), "quick")  # learns both
-    assert len(fmt._LAYOUTS[(entries[0].size, *_expect_key(tmp_path))]) == 2
+    e = expect()
+    assert len(fmt._LAYOUTS[(entries[0].size, e.hidden_size, e.num_aux, e.dtype)]) == 2
     calls: list[str] = []
     real = fmt.check_shard
     monkeypatch.setattr(fmt, "check_shard", lambda path, *a, **k: calls.append(path) or real(path, *a, **k))
     r = fmt.verify_output(str(tmp_path), "quick")
     assert r.ok == 8 and calls == []
-
-
-def _expect_key(root: Path) -> tuple:
-    e = fmt.Expect.from_manifest(fmt.read_manifest_dict(str(root)))
-    return e.hidden_size, e.num_aux, e.dtype
 
 
 def _rows_of(root: Path) -> dict[str, tuple]:
