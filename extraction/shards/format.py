@@ -1501,26 +1501,33 @@ class _QuickWorker:
         self.error: tuple[int, OSError] | None = None  # the first folder that could not be listed
 
     def run(self, take: Iterable[int], progress: Callable[[int, int, int], None] | None = None) -> tuple:
-        """List the folders `take` names, then check their shards in order of indexed size.
-
-        Shards of one size share a layout: checked one after another, its bytes stay in the
-        CPU's cache instead of being fetched again for every file (runs have ~2k lengths).
-        """
+        """List the folders `take` names, then check their shards (one process, no split)."""
         fds: list[int] = []
-        jobs: list[tuple[int, str, int | None, str, _Row | None, bool]] = []
         try:
-            for i in take:
-                try:
-                    self._list(i, fds, jobs)
-                except OSError as e:
-                    self.error = (i, e)
-                    return self._result()
-            jobs.sort(key=_BY_SIZE)
-            self._check(jobs, progress)
+            jobs = self.list(take, fds)
+            if jobs is not None:
+                self._check(jobs, progress)
         finally:
             for fd in fds:
                 os.close(fd)
         return self._result()
+
+    def list(self, take: Iterable[int], fds: list[int]) -> list | None:
+        """The shards of the folders `take` names as jobs in order of indexed size; None when a
+        folder could not be listed (self.error says which). Folder fds opened go into `fds`.
+
+        Shards of one size share a layout: checked one after another, its bytes stay in the
+        CPU's cache instead of being fetched again for every file (runs have ~2k lengths).
+        """
+        jobs: list[tuple[int, str, int | None, str, _Row | None, bool]] = []
+        for i in take:
+            try:
+                self._list(i, fds, jobs)
+            except OSError as e:
+                self.error = (i, e)
+                return None
+        jobs.sort(key=_BY_SIZE)
+        return jobs
 
     def _result(self) -> tuple:
         return self.files, self.ok, self.nbytes, self.problems, self.orphans, self.unindexed, self.error
@@ -1585,39 +1592,43 @@ class _QuickWorker:
     def _check_size(self, size: int, group: list) -> None:
         """Shards of one indexed size: read them all, then compare them with the layout known for
         that size in C-level passes (map), so a shard costs little Python beyond its three system
-        calls. A shard that fails any of it (or has no known layout) goes to _slow for its verdict.
+        calls. With no layout known yet, the first shard that passes the full structure check on
+        the bytes already read teaches it (_learn). A shard that fails any of it goes to _slow for
+        its verdict and reason.
         """
-        key = (size, self.expect.hidden_size, self.expect.num_aux, self.expect.dtype)
-        start = 0
-        if size:  # no known layout yet: the first shards that pass the full check teach it
-            while start < len(group) and not _LAYOUTS.get(key):
-                self._slow(group[start][3], group[start][4])
-                start += 1
-        known = _LAYOUTS.get(key) if size else None
-        rest = group[start:]
-        if not rest:
-            return
-        if not known:
-            for job in rest:
+        if not size:  # no indexed size, or too big for one read: each gets the full check
+            for job in group:
                 self._slow(job[3], job[4])
             return
-        if not all(job[5] for job in rest):  # the listing says something else than a regular file: never opened here
-            for job in rest:
+        # The listing says something else than a regular file: never opened here.
+        if not all(job[5] for job in group):
+            for job in group:
                 if not job[5]:
                     self._slow(job[3], job[4])
-            rest = [job for job in rest if job[5]]
-            if not rest:
+            group = [job for job in group if job[5]]
+            if not group:
                 return
-        _, paths, dir_fds, _, rows, _ = zip(*rest, strict=True)
+        _, paths, dir_fds, _, rows, _ = zip(*group, strict=True)
         datas = _read_files(paths, dir_fds, size + 1)  # +1: a longer file reads longer and fails the compare
+        key = (size, self.expect.hidden_size, self.expect.num_aux, self.expect.dtype)
+        start = 0
+        while not _LAYOUTS.get(key) and start < len(group):
+            if not self._learn(datas[start], rows[start], size):
+                self._slow(group[start][3], rows[start])
+            start += 1
+        if start:
+            group, datas, rows = group[start:], datas[start:], rows[start:]
+            if not group:
+                return
+        known = _LAYOUTS[key]
         layout = known[0]
         matched = list(map(layout.fingerprint.__eq__, map(layout.get, datas)))  # length, too: see _Layout
         tokens = list(map(layout.info.num_tokens.__eq__, map(_ROW_TOKENS, rows)))
         if all(matched) and all(tokens):
-            self.ok += len(rest)
-            self.nbytes += size * len(rest)
+            self.ok += len(group)
+            self.nbytes += size * len(group)
             return
-        for job, data, match, token in zip(rest, datas, matched, tokens, strict=True):
+        for job, data, match, token in zip(group, datas, matched, tokens, strict=True):
             if not match:
                 other = next((lo for lo in known[1:] if lo.get(data) == lo.fingerprint), None)
                 match, token = other is not None, other is not None and other.info.num_tokens == job[4][4]
@@ -1626,6 +1637,24 @@ class _QuickWorker:
                 self.nbytes += size
             else:
                 self._slow(job[3], job[4])
+
+    def _learn(self, data: bytes, row: _Row, size: int) -> bool:
+        """check_shard's quick verdict on bytes already read, when it is a pass: the whole file
+        (a regular file per the listing; exactly the indexed size, since the read asked for one
+        byte more), the structure check (inspect_shard, which remembers the layout) and the
+        indexed token count. False for anything else: _slow then gives the verdict and reason.
+        """
+        if len(data) != size:
+            return False
+        try:
+            info = inspect_shard(-1, self.expect, size, data)
+        except ShardBad:
+            return False
+        if info.num_tokens != row[4]:
+            return False
+        self.ok += 1
+        self.nbytes += size
+        return True
 
     def _is_file(self, e: os.DirEntry, prefix: str) -> bool:
         """e.is_file(follow_symlinks=False), failing with the path _scan's listing would name."""
@@ -1670,18 +1699,65 @@ def _read_files(paths: Iterable[str], dir_fds: Iterable[int | None], want: int) 
     return out
 
 
-def _quick_part(
-    output_dir: str, buckets: list[str], take: int | list[int], expect: Expect, by_path: dict[str, _Row]
-) -> tuple:
-    """A forked worker of _verify_quick: the folders `take` lists, or those it reads from a pipe."""
-    worker = _QuickWorker(output_dir, buckets, expect, by_path)
-    return worker.run(take if isinstance(take, list) else _queue(take))
+_LEARN_WEIGHT = 24  # a size's first shard (full check, layout learnt) costs ~this many fast-path shards
+_SLOW_WEIGHT = 24  # a shard without a fast path (no index entry, or too big): a full check
 
 
-def _queue(fd: int) -> Iterable[int]:
-    """Folder numbers from a pipe filled before the fork: each read takes the next one (2 bytes)."""
-    while len(b := os.read(fd, 2)) == 2:
-        yield int.from_bytes(b, "little")
+def _split_by_size(jobs: list, n: int) -> list[list]:
+    """Jobs sorted by size cut into n contiguous shares of about equal cost, never inside a
+    size's group (so each size's layout is learnt by one worker only, once per verification).
+    Size 0 (no fast path: each job a full check) is cut anywhere: on real, large shards it is
+    every job.
+    """
+    costs = []
+    for i, job in enumerate(jobs):
+        if job[0] == 0:
+            costs.append(_SLOW_WEIGHT)
+        else:
+            costs.append(1 + (_LEARN_WEIGHT if i == 0 or jobs[i - 1][0] != job[0] else 0))
+    total = sum(costs)
+    shares: list[list] = []
+    start = acc = 0
+    for i, cost in enumerate(costs):
+        if len(shares) == n - 1:
+            break
+        if acc >= total * (len(shares) + 1) / n and (jobs[i][0] == 0 or jobs[i][0] != jobs[i - 1][0]):
+            shares.append(jobs[start:i])
+            start = i
+        acc += cost
+    shares.append(jobs[start:])
+    return shares + [[] for _ in range(n - len(shares))]
+
+
+def _check_share(lister: _QuickWorker, jobs: list) -> tuple:
+    """A forked worker of _verify_quick (or the parent's own share): check `jobs` of the lister's
+    listing; listing results (files, orphans, unindexed) are the lister's, not repeated here."""
+    worker = _QuickWorker(lister.output_dir, lister.buckets, lister.expect, lister.by_path)
+    worker._check(jobs, None)
+    return worker._result()
+
+
+def _quick_split(
+    output_dir: str, buckets: list[str], expect: Expect, by_path: dict[str, _Row], n: int, reap: list[int]
+) -> list[tuple]:
+    """List every folder here, then check the shards in n processes split by size: each size's
+    layout is learnt (one full check) by one worker instead of by every worker, which is most of
+    a first verification's cost when shards are small (~0.1 ms per length, runs have ~2k).
+    """
+    lister = _QuickWorker(output_dir, buckets, expect, by_path)
+    fds: list[int] = []
+    try:
+        jobs = lister.list(range(len(buckets)), fds)
+        if jobs is None:
+            return [lister._result()]
+        shares = _split_by_size(jobs, n)
+        parts = _fork_map(
+            _check_share, [(lister, share) for share in shares if share] or [(lister, [])], reap
+        )
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return [lister._result(), *parts]
 
 
 def _verify_quick(
@@ -1694,10 +1770,9 @@ def _verify_quick(
 ) -> tuple[list[tuple[str, str, str]], dict[str, _Row]]:
     """verify_output for `quick` from the index's lines: (problems, by_path), the report filled.
 
-    Each worker lists its own bucket folders and checks their shards (_QuickWorker); forked
-    workers take folders one at a time from a shared pipe, so none idles while another still
-    has work. Verdicts, reasons and every list in the report are those _scan + _check_batch
-    give, in the same order.
+    One process lists every bucket folder (_QuickWorker.list); with workers > 1 the shards are
+    then checked by forked workers, split by size (_quick_split). Verdicts, reasons and every
+    list in the report are those _scan + _check_batch give, in the same order.
     """
     entries = _index_rows(lines)
     by_path: dict[str, _Row] = {}
@@ -1727,21 +1802,7 @@ def _verify_quick(
     reap: list[int] = []
     try:
         if n > 1 and len(entries) >= _FORK_MIN_QUICK and hasattr(os, "fork"):
-            if len(buckets) <= 1 << 15:  # the whole queue fits in the pipe before anyone reads it
-                r, w = os.pipe()
-                try:
-                    os.write(w, b"".join(i.to_bytes(2, "little") for i in range(len(buckets))))
-                finally:
-                    os.close(w)
-                try:
-                    parts = _fork_map(_quick_part, [(output_dir, buckets, r, expect, by_path)] * n, reap)
-                finally:
-                    os.close(r)
-            else:
-                shares = [list(range(k, len(buckets), n)) for k in range(n)]
-                parts = _fork_map(
-                    _quick_part, [(output_dir, buckets, s, expect, by_path) for s in shares], reap
-                )
+            parts = _quick_split(output_dir, buckets, expect, by_path, n, reap)
             live = progress
         else:
             parts = [_QuickWorker(output_dir, buckets, expect, by_path).run(range(len(buckets)), progress)]

@@ -137,12 +137,39 @@ print(*times)
 
 def quick_alone(root: Path, workers: int, out: dict[str, float]) -> None:
     """One run of _QUICK_ALONE; keeps the best first and second times in `out`."""
+    # The code under test is the one this process imported (`python -c` would put the working
+    # directory first on sys.path, which may hold another checkout): its folder, run from /.
+    code_dir = str(Path(fmt.__file__).resolve().parents[2])
     got = subprocess.run(
-        [sys.executable, "-c", _QUICK_ALONE, str(root), str(workers)], check=True, capture_output=True, text=True
+        [sys.executable, "-c", _QUICK_ALONE, str(root), str(workers)],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([code_dir, os.environ.get("PYTHONPATH", "")])},
     )
     first, second = map(float, got.stdout.split())
     out["first"] = min(out.get("first", first), first)
     out["second"] = min(out.get("second", second), second)
+
+
+def read_all_bare(root: Path) -> None:
+    """open + pread + close of every shard, nothing else (no index, no listing, no checks): the
+    floor of any verifier that reads each file once, in one process."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    for p in _shard_paths(root):
+        fd = os.open(p, flags)
+        os.pread(fd, 1 << 20, 0)
+        os.close(fd)
+
+
+_PATHS: dict[Path, list[str]] = {}
+
+
+def _shard_paths(root: Path) -> list[str]:
+    if root not in _PATHS:
+        _PATHS[root] = sorted(str(p) for p in (root / "shards").rglob("*.pt"))
+    return _PATHS[root]
 
 
 def part_quick_vs_torch_load(args, base: Path) -> None:
@@ -156,6 +183,7 @@ def part_quick_vs_torch_load(args, base: Path) -> None:
         args.repeat,
         {
             "load": lambda: torch_load_all(small),
+            "bare": lambda: read_all_bare(small),
             "q1": lambda: verify_output(str(small), "quick", workers=1),
             "qn": lambda: verify_output(str(small), "quick", workers=args.workers),
             "alone": lambda: quick_alone(small, args.workers, alone),
@@ -171,6 +199,11 @@ def part_quick_vs_torch_load(args, base: Path) -> None:
         f"first in the process {alone['first']:.3f}s ({t['load'] / alone['first']:.0f}x) | "
         f"second {alone['second']:.3f}s ({t['load'] / alone['second']:.0f}x)"
     )
+    print(
+        f"1. floor: open + pread + close of every file, nothing else, one process {t['bare']:.3f}s "
+        f"({t['load'] / t['bare']:.0f}x torch.load)"
+    )
+    _PATHS.pop(small, None)
     shutil.rmtree(small)
 
 

@@ -17,8 +17,9 @@ import zlib
 from pathlib import Path
 
 import pytest
-from shard_helpers import expect, flip, make_run
+from shard_helpers import expect, flip, make_run, manifest, tensors
 
+from extraction.shards import ShardWriter
 from extraction.shards import format as fmt
 
 
@@ -134,22 +135,64 @@ def test_full_uses_threads_for_big_shards_and_agrees_with_one_worker(tmp_path, m
 
 
 def test_quick_forks_workers_and_agrees_with_one(tmp_path, monkeypatch):
-    _, entries = make_run(tmp_path, n=30, length=3)
+    w = ShardWriter(tmp_path, manifest())
+    entries = [w.publish(f"s{i:03d}", **tensors(3 + i % 6, seed=i)) for i in range(30)]  # 6 sizes
     for e in entries[::4]:
         (tmp_path / e.path).write_bytes(b"PK junk")
     (tmp_path / entries[1].path).unlink()
     one = fmt.verify_output(str(tmp_path), "quick", workers=1)
     monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
+    monkeypatch.setattr(fmt, "_LAYOUTS", {})  # nothing learnt yet, as in a new `hsx verify`
     forks: list[int] = []
     real = fmt._fork_map
     monkeypatch.setattr(
         fmt, "_fork_map", lambda fn, parts, *a: forks.append(len(parts)) or real(fn, parts, *a)
     )
+    full_checks = tmp_path / "full-checks"  # appended to by every process (forked workers too)
+    real_slow, real_learn = fmt._QuickWorker._slow, fmt._QuickWorker._learn
+
+    def note(line: str) -> None:
+        with open(full_checks, "a") as f:
+            f.write(line + "\n")
+
+    def slow(self, rel, row):
+        note(f"slow {rel}")
+        return real_slow(self, rel, row)
+
+    def learn(self, data, row, size):
+        passed = real_learn(self, data, row, size)
+        note(f"learn-{'passed' if passed else 'failed'} {row[1]}")
+        return passed
+
+    monkeypatch.setattr(fmt._QuickWorker, "_slow", slow)
+    monkeypatch.setattr(fmt._QuickWorker, "_learn", learn)
     three = fmt.verify_output(str(tmp_path), "quick", workers=3)
     assert forks == [3]
     assert [(b.path, b.reason) for b in one.bad] == [(b.path, b.reason) for b in three.bad]
     assert one.missing == three.missing == [entries[1].sample_id]
     assert (one.checked, one.ok, one.bytes, len(one.bad)) == (three.checked, three.ok, three.bytes, 8)
+    # Split by size: each size's layout is learnt by one worker, from one good shard; the 8 bad
+    # shards get the full check for their reasons, and no other shard does.
+    calls = [line.split() for line in full_checks.read_text().splitlines()]
+    learnt = [path for what, path in calls if what == "learn-passed"]
+    assert len(learnt) == len(set(learnt)) == 6
+    assert sorted(path for what, path in calls if what == "slow") == sorted(b.path for b in one.bad)
+
+
+def test_split_by_size_keeps_each_size_in_one_share_and_balances():
+    sizes = [100] * 40 + [104] * 3 + [108] * 1 + [112] * 40 + [116] * 2 + [120] * 30
+    jobs = [(size, f"f{i}", None, f"r{i}", None, True) for i, size in enumerate(sorted(sizes))]
+    shares = fmt._split_by_size(jobs, 3)
+    assert len(shares) == 3 and [j for s in shares for j in s] == jobs  # every job once, in order
+    owners = {}
+    for k, share in enumerate(shares):
+        for job in share:
+            assert owners.setdefault(job[0], k) == k, f"size {job[0]} in shares {owners[job[0]]} and {k}"
+    assert all(20 <= len(s) <= 60 for s in shares), [len(s) for s in shares]
+    # No fast path (size 0: real, large shards): every job a full check, cut anywhere, evenly.
+    slow = [(0, f"f{i}", None, f"r{i}", None, True) for i in range(100)]
+    assert [len(s) for s in fmt._split_by_size(slow, 4)] == [25, 25, 25, 25]
+    assert [len(s) for s in fmt._split_by_size(jobs[:2], 4)] == [2, 0, 0, 0]
 
 
 def _pid(x: int) -> tuple[int, int]:
@@ -424,3 +467,24 @@ def test_forked_quick_workers_are_collected(tmp_path, monkeypatch):
             break
         time.sleep(0.05)
     assert fmt._EXITING == []
+
+
+@pytest.mark.parametrize("order", [0, 1, 2, 3])
+def test_quick_learning_from_read_bytes_gives_check_shards_verdicts(tmp_path, monkeypatch, order):
+    """Cold start (no layout known): whichever shard of a size comes first - truncated, longer,
+    with another token count in the index, or good - the verdicts and reasons are check_shard's."""
+    _, entries = make_run(tmp_path, n=4, length=6)
+    damaged = entries[order:] + entries[:order]  # a different shard gets each damage per case
+    short, longer, tokens = damaged[0], damaged[1], damaged[2]
+    data = (tmp_path / short.path).read_bytes()
+    (tmp_path / short.path).write_bytes(data[:-7])
+    (tmp_path / longer.path).write_bytes((tmp_path / longer.path).read_bytes() + b"\0")
+    fmt.append_index(str(tmp_path), [{**fmt.index_record(tokens), "num_tokens": 99}])
+    rows = fmt.load_index(str(tmp_path))
+    want = fmt._check_batch(
+        str(tmp_path), [(e.path, rows[e.sample_id]) for e in entries], "quick", expect(), None
+    )
+    monkeypatch.setattr(fmt, "_LAYOUTS", {})
+    r = fmt.verify_output(str(tmp_path), "quick")
+    assert sorted((b.path, b.reason) for b in r.bad) == sorted((p, why) for p, _, why in want[3])
+    assert len(r.bad) == 3 and r.ok == want[1] == 1
