@@ -23,7 +23,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ import torch
 
 from extraction import layers as layer_mod
 from extraction.backends.base import Backend, Sample, SampleStates
+from extraction.childgen import ChildFailed, ChildGenerator
 from extraction.config import ExtractConfig
 from extraction.dataset import (
     ChatTokenizer,
@@ -74,6 +75,9 @@ _UNTRUNCATED_TOKENS = 32768  # the size a batch is counted at when --max-length 
 # Shards published at once; 0: 1 on <= 4 cores, else 2. More writers hold the GIL more (torch.save's
 # record writing does), which slows the forward thread: on an H200 host 2 beat 4 (docs/benchmarks.md).
 WRITER_THREADS = 0
+# Tokenize in a forked child process (extraction/childgen.py) instead of a thread: its Python then
+# never takes the GIL from the forward pass. HSX_TOKENIZER=thread in the environment turns it off.
+TOKENIZER_PROCESS = True
 
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -221,6 +225,7 @@ class Runner:
         self.bar: Any = None
         self._errors_lock = threading.Lock()
         self.producer: threading.Thread | None = None
+        self.producer_child: ChildGenerator | None = None
         self.writer_threads = WRITER_THREADS or (1 if (os.cpu_count() or 1) <= 4 else 2)
         self._guard_lock = threading.Lock()
         self._inflight_bytes = 0
@@ -312,36 +317,69 @@ class Runner:
 
     # ------------------------------------------------------------------ pipeline threads
 
-    def _produce(
-        self, tokenizer: ChatTokenizer, windows: list[list[DatasetEntry]], done: set[str], out: queue.Queue
-    ):
-        """Tokenizer thread: planned batches holding at least one pending sample."""
+    def _produce_items(
+        self, tokenizer: ChatTokenizer, windows: list[list[DatasetEntry]], done: set[str]
+    ) -> Iterator[tuple[str, Any, Any]]:
+        """The tokenizer's work, in order: ("batch", samples, pending ids) for each planned batch
+        holding at least one pending sample, ("row_error", record, None) for a row that cannot be
+        tokenized. Runs in the tokenizer process (or thread): it changes nothing here."""
+        for window in windows:
+            if all(e.sample_id in done for e in window):
+                continue
+            samples = []
+            for conv in read_conversations(self.cfg.dataset, window):
+                try:
+                    samples.append(tokenizer.encode(conv))
+                except Exception as e:  # a template that cannot render this row: a data problem
+                    record = RowError(conv.line, f"tokenization failed: {e}", conv.sample_id).to_record()
+                    yield "row_error", record, None
+            for batch in batches_of_window(samples, self.cfg.batch_size):
+                pending = {s.sample_id for s in batch if s.sample_id not in done}
+                if pending:
+                    yield "batch", batch, pending
+
+    def _produce_portable(
+        self, tokenizer: ChatTokenizer, windows: list[list[DatasetEntry]], done: set[str]
+    ) -> Iterator[tuple[str, Any, Any]]:
+        """_produce_items for the tokenizer process: samples as numpy arrays, which pickle as
+        their bytes (a tensor would pickle through torch.save, slowly, on both sides)."""
+        for kind, value, pending in self._produce_items(tokenizer, windows, done):
+            if kind == "batch":
+                value = [
+                    (s.sample_id, s.input_ids.numpy(), s.loss_mask.numpy(), s.truncated, s.meta)
+                    for s in value
+                ]
+            yield kind, value, pending
+
+    def _produce(self, items: Iterable[tuple[str, Any, Any]], out: queue.Queue) -> None:
+        """Tokenizer thread: takes the items (tokenized here, or received from the tokenizer
+        process) onto the batch queue, and applies row errors."""
         try:
-            for window in windows:
+            for kind, value, pending in items:
                 if self.stop_event.is_set():
                     break
-                if all(e.sample_id in done for e in window):
+                if kind == "row_error":
+                    self._error(value)
+                    with self.reporter.lock:
+                        self.reporter.row_errors += 1
+                        self.reporter.total -= 1
                     continue
-                samples = []
-                for conv in read_conversations(self.cfg.dataset, window):
+                if value and not isinstance(value[0], Sample):
+                    value = [
+                        Sample(sid, torch.from_numpy(ids), torch.from_numpy(mask), truncated, meta)
+                        for sid, ids, mask, truncated, meta in value
+                    ]
+                while not self.stop_event.is_set():
                     try:
-                        samples.append(tokenizer.encode(conv))
-                    except Exception as e:  # a template that cannot render this row: a data problem
-                        self._error(
-                            RowError(conv.line, f"tokenization failed: {e}", conv.sample_id).to_record()
-                        )
-                        with self.reporter.lock:
-                            self.reporter.row_errors += 1
-                            self.reporter.total -= 1
-                for batch in batches_of_window(samples, self.cfg.batch_size):
-                    pending = {s.sample_id for s in batch if s.sample_id not in done}
-                    if pending:
-                        while not self.stop_event.is_set():
-                            try:
-                                out.put(_Work(batch, pending), timeout=0.2)
-                                break
-                            except queue.Full:
-                                continue
+                        out.put(_Work(value, pending), timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+        except ChildFailed as e:
+            if not self.stop_event.is_set():
+                self.abort = f"the tokenizer process failed: {e}"
+                self.log(self.abort)
+                self.stop_event.set()
         finally:
             out.put(None)
 
@@ -715,21 +753,30 @@ class Runner:
         )
 
     def _start_producer(self) -> None:
+        """Tokenize in a forked process (TOKENIZER_PROCESS), a thread here taking its batches onto
+        the queue; or, without fork or with HSX_TOKENIZER=thread, tokenize on that thread."""
         windows = plan_windows(self.assigned, self.cfg.batch_size)
+        items: Iterable[tuple[str, Any, Any]]
+        if TOKENIZER_PROCESS and hasattr(os, "fork") and os.environ.get("HSX_TOKENIZER") != "thread":
+            tokenizer, done = self.tokenizer, self.done
+            self.producer_child = ChildGenerator(lambda: self._produce_portable(tokenizer, windows, done))
+            items = self.producer_child
+        else:
+            items = self._produce_items(self.tokenizer, windows, self.done)
         self.producer = threading.Thread(
-            target=self._produce,
-            args=(self.tokenizer, windows, self.done, self.batch_q),
-            name="hsx-tokenize",
-            daemon=True,
+            target=self._produce, args=(items, self.batch_q), name="hsx-tokenize", daemon=True
         )
         self.producer.start()
 
     def _stop_producer(self) -> None:
-        """Stop the tokenizer thread (it may wait on a full queue) and join it; idempotent."""
+        """Stop the tokenizer (process and thread; the thread may wait on a full queue) and join
+        it; idempotent."""
         producer = self.producer
         if producer is None:
             return
         self.stop_event.set()
+        if self.producer_child is not None:
+            self.producer_child.close()  # its thread then reads the end of the pipe
         while True:
             try:
                 if self.batch_q.get_nowait() is None:
@@ -739,7 +786,7 @@ class Runner:
                     break
                 time.sleep(0.01)
         producer.join(timeout=5)
-        self.producer = None
+        self.producer = self.producer_child = None
 
     def _pipeline(self) -> None:
         batch_q = self.batch_q

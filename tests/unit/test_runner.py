@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from extraction.runner import (
     tokenize_ahead_batches,
 )
 from extraction.shards import format as fmt
+from extraction.shards.verify import verify_output
 from extraction.status import ERRORS_NAME, read_status
 from extraction.tiny import write_tiny_dataset
 
@@ -381,3 +384,77 @@ def test_cli_end_to_end(tmp_path, tiny_model_dir, capsys) -> None:
     assert len(fmt.load_index(str(out))) == 4
     assert main(["extract", "--config", str(conf), "--output", str(out), "--layers", "auto"]) == EXIT_USAGE
     assert "explicit ids" in capsys.readouterr().err
+
+
+def test_tokenizer_runs_in_a_child_process_same_bits_and_row_errors(
+    tiny_model_dir, dataset, backend, tmp_path, ids, monkeypatch
+) -> None:
+    """The chat template is rendered in a forked process (its Python never holds this process's
+    GIL); the shards are bit-identical to tokenizing on a thread, and a row the template cannot
+    render is still logged with its line while the run goes on."""
+    from extraction.dataset import ChatTokenizer
+
+    pids = tmp_path / "encode-pids"
+    poison = sorted(ids)[3]
+    real = ChatTokenizer.encode
+
+    def encode(self, conv):
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        if conv.sample_id == poison:
+            raise ValueError("template cannot render this row")
+        return real(self, conv)
+
+    monkeypatch.setattr(ChatTokenizer, "encode", encode)
+    outs = {}
+    for mode in ("process", "thread"):
+        monkeypatch.setenv("HSX_TOKENIZER", mode)
+        pids.unlink(missing_ok=True)
+        outs[mode] = tmp_path / mode
+        cfg = make_cfg(tiny_model_dir, dataset, outs[mode])
+        assert run(cfg, backend) == EXIT_OK  # a row that cannot be tokenized is a data error, as a malformed one
+        seen = {int(x) for x in pids.read_text().split()}
+        assert (seen != {os.getpid()}) if mode == "process" else (seen == {os.getpid()}), (mode, seen)
+        errors = [json.loads(x) for x in (outs[mode] / ERRORS_NAME).read_text().splitlines()]
+        assert [(e["kind"], e.get("sample_id")) for e in errors] == [("row", poison)]
+        assert "tokenization failed: template cannot render this row" in errors[0]["reason"]
+        assert sorted(fmt.load_index(str(outs[mode]))) == sorted(ids - {poison})
+        status = read_status(str(outs[mode]))
+        assert status["row_errors"] == 1 and status["total"] == N - 1 == status["done"]
+    got, want = load_shards(outs["process"]), load_shards(outs["thread"])
+    assert sorted(got) == sorted(want) == sorted(ids - {poison})
+    for sid, t in want.items():
+        for key, value in t.items():
+            assert torch.equal(got[sid][key], value), (sid, key)
+
+
+def test_tokenizer_process_killed_fails_the_run_with_the_reason(
+    tiny_model_dir, dataset, backend, tmp_path, ids, monkeypatch
+) -> None:
+    """The tokenizer process dies (OOM killer, kill -9): the run stops with a message saying so,
+    exit 1; what was written is whole and indexed, and a rerun finishes the rest."""
+    from extraction.dataset import ChatTokenizer
+
+    real = ChatTokenizer.encode
+    count = [0]
+    parent = os.getpid()
+
+    def encode(self, conv):
+        count[0] += 1
+        if count[0] == 18 and os.getpid() != parent:  # in the second planning window
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, conv)
+
+    monkeypatch.setattr(ChatTokenizer, "encode", encode)
+    out, logs = tmp_path / "out", []
+    assert run(make_cfg(tiny_model_dir, dataset, out, batch_size=1), backend, logs) == EXIT_FAILED
+    assert any("the tokenizer process failed" in m and "killed by SIGKILL" in m for m in logs), logs
+    status = read_status(str(out))
+    assert status["state"] == "failed" and "tokenizer process" in status["message"]
+    done = fmt.load_index(str(out))
+    assert len(done) < N
+    r = verify_output(str(out), "quick")
+    assert r.exit_code == 0 and r.ok == len(done)
+    monkeypatch.setattr(ChatTokenizer, "encode", real)
+    assert run(make_cfg(tiny_model_dir, dataset, out, batch_size=1), backend) == EXIT_OK
+    assert_complete(out, ids)
