@@ -96,9 +96,11 @@ def _child(make_items: Callable[[], Iterable[Any]], w: int) -> None:
     """Send each item, then the end (or the failure); exit without running the parent's code."""
     code = 0
     try:
-        # A Ctrl-C reaches the whole process group: the parent decides when this child stops.
+        # A Ctrl-C reaches the whole process group and `systemctl stop` sends SIGTERM to the whole
+        # control group: the parent decides when this child stops (it stops itself cleanly, then
+        # kills the child); a child that died of the same signal first would read as a failure.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             for item in make_items():
                 _send(w, _ITEM, item)

@@ -343,6 +343,9 @@ class Runner:
     ) -> Iterator[tuple[str, Any, Any]]:
         """_produce_items for the tokenizer process: samples as numpy arrays, which pickle as
         their bytes (a tensor would pickle through torch.save, slowly, on both sides)."""
+        # Its tensors are small and the parent may have used the intra-op thread pool before the
+        # fork (an OpenMP pool is not fork-safe): one thread, no parallel regions here.
+        torch.set_num_threads(1)
         for kind, value, pending in self._produce_items(tokenizer, windows, done):
             if kind == "batch":
                 value = [

@@ -46,12 +46,18 @@ def _child(cfg_kw: dict, backend: SharedBackend, inject: tuple[str, int] | None)
 
 
 def _arm(call: str, at: int) -> None:
-    """SIGKILL ourselves at the `at`-th call of os.<call>; 'tear' writes half an index line first."""
+    """SIGKILL ourselves at the `at`-th call of os.<call>; 'tear' writes half an index line first.
+
+    Only this process's calls count: the runner's tokenizer process, forked from it, inherits the
+    wrapper but is not the process under test (its own writes are its messages)."""
     count = {"n": 0}
     name = "write" if call == "tear" else call
     real = getattr(os, name)
+    runner_pid = os.getpid()
 
     def wrapper(*args, **kwargs):
+        if os.getpid() != runner_pid:
+            return real(*args, **kwargs)
         count["n"] += 1
         if count["n"] == at:
             if call == "tear":
@@ -123,16 +129,51 @@ def test_kill_9_at_random_points_then_resume(setup, tmp_path: Path) -> None:
     assert killed >= TRIALS  # the kills really happened mid-run (not after a finished run)
 
 
+def _slow_tokenizer() -> None:
+    """Keep the runner's tokenizer process alive for a while (0.3 s a sample)."""
+    from extraction.dataset import ChatTokenizer
+
+    real = ChatTokenizer.encode
+
+    def encode(self, conv):
+        time.sleep(0.3)
+        return real(self, conv)
+
+    ChatTokenizer.encode = encode
+
+
+def _slow_child(cfg_kw: dict, backend: SharedBackend) -> None:
+    """A run whose tokenizer process is still at work when its first shards are indexed:
+    windows of 4 samples, each taking the tokenizer 1.2 s."""
+    from extraction import runner
+
+    _slow_tokenizer()
+    runner.WINDOW_BATCHES = 4
+    _child(cfg_kw, backend, None)
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["runner", "whole-group"])
 @pytest.mark.parametrize(
     ("sig", "code", "state"), [(signal.SIGTERM, 143, "interrupted"), (signal.SIGINT, 130, "interrupted")]
 )
-def test_signal_stops_cleanly(setup, tmp_path: Path, sig, code, state) -> None:
+def test_signal_stops_cleanly(setup, tmp_path: Path, sig, code, state, group) -> None:
+    """The signal to the runner alone, or first to its tokenizer process and then to it, as
+    `systemctl stop` (the whole control group) and a Ctrl-C (the process group) send it."""
     kw, backend, _ref, _duration, ids = setup
     out = tmp_path / "out"
-    p = _start({**kw, "output": out, "batch_size": 1}, backend)
+    cfg_kw = {**kw, "output": out, "batch_size": 1}
+    p = CTX.Process(target=_slow_child, args=(cfg_kw, backend)) if group else _start(cfg_kw, backend)
+    if group:
+        p.start()
     deadline = time.monotonic() + 60
     while not fmt.load_index(str(out)) and time.monotonic() < deadline:
         time.sleep(0.01)
+    if group:
+        children = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+        assert children, "the tokenizer process should still be running"
+        for child in children:
+            os.kill(int(child), sig)
+        time.sleep(0.2)
     os.kill(p.pid, sig)
     p.join(60)
     assert p.exitcode == code
