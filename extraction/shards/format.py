@@ -1474,7 +1474,9 @@ def _index_rows(lines: list[bytes]) -> dict[str, _Row] | None:
 
 
 class _QuickWorker:
-    """`quick` over whole bucket folders, one after another: list the folder, check its shards.
+    """`quick` over bucket folders: list them (list), check their shards (_check) - both in one
+    process, or the listing here and the checking split by size between forked workers
+    (_quick_split, _check_share).
 
     The fast path, for a shard of a layout already seen (_Layout) whose index entry gives its
     size: the listing's d_type says it is a regular file; open it relative to its folder

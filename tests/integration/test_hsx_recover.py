@@ -59,7 +59,8 @@ def mask_job_state(text: str) -> str:
     first): it may finish before one report is written and not before the other. A failed job
     still reads differently."""
     text = re.sub(r"(N/N) \((?:running|done)\)", r"\1 (STATE)", text)  # progress cells
-    text = re.sub(r"\b(?:active, running|inactive, done)\b", "running or done", text)  # job cell, job check
+    # Job cell, job check: the unit may still be active for a moment after the job wrote "done".
+    text = re.sub(r"\b(?:active, running|active, done|inactive, done)\b", "running or done", text)
     return text.replace(" (N written, N already there)", "")  # the finished job's message
 
 
