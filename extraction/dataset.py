@@ -230,8 +230,8 @@ class ChatTokenizer:
     its closing tokens, which the drafter must learn too). Templates that rewrite earlier turns
     fall back to finding the content text itself.
 
-    Runs on the runner's tokenizer thread beside the forward pass, so it keeps its time under the
-    GIL short: a conversation's prefixes are rendered in two batched template calls, a fast
+    Runs in the runner's tokenizer process (or, with HSX_TOKENIZER=thread, on a thread beside the
+    forward pass, which is why it keeps its time under the GIL short): a conversation's prefixes are rendered in two batched template calls, a fast
     tokenizer's Rust backend is called directly (`encode_batch` releases the GIL; the
     transformers wrapper around it is Python), and the loss mask is computed on tensors. The
     direct call is trusted only after it gave exactly what `tokenizer(...)` gives on the first

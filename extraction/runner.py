@@ -66,10 +66,9 @@ EXIT_SIGTERM = 143
 
 WINDOW_BATCHES = 16  # a planning window holds this many batches' worth of samples
 QUEUE_BATCHES = 4  # batches buffered between forward -> writer (and at least this many tokenizer -> forward)
-# Token tensors (ids + mask, int64) the tokenizer thread may hold ahead of the forward. It starts
-# before the model loads (minutes for a real target), so a run's first tens of thousands of samples
-# are tokenized before the first forward and their template rendering (Python, the GIL) stays out
-# of the forward thread's way. A batch is counted at its longest possible size.
+# Token tensors (ids + mask, int64) the tokenizer may hold ahead of the forward (the batch queue). It
+# starts before the model loads (minutes for a real target), so a run's first tens of thousands of
+# samples are tokenized before the first forward. A batch is counted at its longest possible size.
 TOKENIZE_AHEAD_BYTES = 256 << 20
 _UNTRUNCATED_TOKENS = 32768  # the size a batch is counted at when --max-length is not set
 # Shards published at once; 0: 1 on <= 4 cores, else 2. More writers hold the GIL more (torch.save's
