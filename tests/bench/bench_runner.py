@@ -16,6 +16,7 @@ Rounds interleave A/A2/B/C in a rotating order; best and median of each are repo
 ratios A/B (the target), A2/B and C/B, and the load average.
 
   python tests/bench/bench_runner.py                          # CPU, tiny model
+  python tests/bench/bench_runner.py --tokenizer thread,process --sides A,B   # both tokenizers, interleaved
   python tests/bench/bench_runner.py --device cuda --dtype bf16 --hidden 2048 --layers 16 \\
       --capture auto --samples 1024 --batch-size 16 --max-length 1024   # GPU, ~1.2B params
 """
@@ -204,6 +205,12 @@ def main() -> int:
         "--writer-threads", default="0", help="runner writer threads, comma list of variants (0: auto)"
     )
     ap.add_argument(
+        "--tokenizer",
+        default="",
+        help="tokenizer variants of the runner, comma list of HSX_TOKENIZER values (process, thread); "
+        "default: the environment's",
+    )
+    ap.add_argument(
         "--sides", default="A,A2,B,C", help="which sides to time, e.g. A,B (B: the runner variants)"
     )
     args = ap.parse_args()
@@ -257,8 +264,14 @@ def main() -> int:
         # Warm the runner path too (pinned host memory, page cache, the writer pool): a quarter run.
         runner_run(cfg_kw, work / "warm", limit=max(2 * args.batch_size, args.samples // 4))
         shutil.rmtree(work / "warm")
-        variants = [int(x) for x in args.writer_threads.split(",")]
-        bkeys = [f"B{w}" for w in variants]
+        modes = [m for m in args.tokenizer.split(",") if m] or [None]
+        variants = {  # runner side -> (writer threads, tokenizer mode or None: the environment's)
+            f"B{w}" + (f"-{m}" if m else ""): (int(w), m)
+            for w in args.writer_threads.split(",")
+            for m in modes
+        }
+        bkeys = list(variants)
+        label = {k: f"{w}w" + (f" {m}" if m else "") for k, (w, m) in variants.items()}
         sides: dict[str, list[float]] = {k: [] for k in ["A", "A2", *bkeys, "C"]}
         skip = {"A2", "C"} - set(args.sides.split(","))  # not timed: reported as nan
         walls: dict[str, list[float]] = {k: [] for k in bkeys}
@@ -284,20 +297,22 @@ def main() -> int:
                 if not side.startswith("B"):
                     cpu[side].append(time.process_time() - c0)
                 else:
-                    runner_mod.WRITER_THREADS = int(side[1:])
+                    runner_mod.WRITER_THREADS, mode = variants[side]
+                    if mode:
+                        os.environ["HSX_TOKENIZER"] = mode
                     got[side], wall, tm = runner_run(cfg_kw, work / f"run{rnd}")
                     walls[side].append(wall)
                     cpu[side].append(tm["pipeline_end_cpu_at"] - tm["ready_cpu_at"])
                     shutil.rmtree(work / f"run{rnd}")
                     line.append(
-                        f"  runner, {side[1:]} writer thread(s): {got[side]:.2f}s; whole run() {wall:.2f}s; "
+                        f"  runner, {label[side]}: {got[side]:.2f}s; whole run() {wall:.2f}s; "
                         + ", ".join(f"{k} {v:.2f}" for k, v in tm.items() if k.endswith("_s"))
                     )
             for k, v in got.items():
                 sides[k].append(v)
             print(
                 f"round {rnd} (load {load:.1f}): forward-only {got['A']:.2f}s  forward+copy {got['A2']:.2f}s  "
-                + "  ".join(f"runner/{k[1:]}w {got[k]:.2f}s" for k in bkeys)
+                + "  ".join(f"runner/{label[k]} {got[k]:.2f}s" for k in bkeys)
                 + f"  sync-save loop {got['C']:.2f}s"
             )
             print("\n".join(line))
@@ -309,17 +324,19 @@ def main() -> int:
             d = {k: agg(v) for k, v in sides.items()}
             print(
                 f"{name}: forward-only {d['A']:.2f}s, forward+copy {d['A2']:.2f}s, sync-save {d['C']:.2f}s, "
-                + ", ".join(f"runner/{k[1:]}w {d[k]:.2f}s (whole run() {agg(walls[k]):.2f}s)" for k in bkeys)
+                + ", ".join(
+                    f"runner/{label[k]} {d[k]:.2f}s (whole run() {agg(walls[k]):.2f}s)" for k in bkeys
+                )
             )
             for k in bkeys:
                 print(
-                    f"  runner/{k[1:]}w vs forward-only {d['A'] / d[k]:.3f}x (target >= 0.95x), "
+                    f"  runner/{label[k]} vs forward-only {d['A'] / d[k]:.3f}x (target >= 0.95x), "
                     f"vs forward+copy {d['A2'] / d[k]:.3f}x, vs sync forward-then-torch.save {d['C'] / d[k]:.3f}x"
                 )
         for k in bkeys:
             per_round = [a / b for a, b in zip(sides["A"], sides[k], strict=True)]
             print(
-                f"runner/{k[1:]}w vs forward-only, per round: "
+                f"runner/{label[k]} vs forward-only, per round: "
                 + ", ".join(f"{x:.3f}" for x in per_round)
                 + f"; median {statistics.median(per_round):.3f}x; CPU-time ratio (median) "
                 f"{statistics.median(cpu['A']) / statistics.median(cpu[k]):.3f}x"
