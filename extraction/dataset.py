@@ -231,11 +231,11 @@ class ChatTokenizer:
     fall back to finding the content text itself.
 
     Runs in the runner's tokenizer process (or, with HSX_TOKENIZER=thread, on a thread beside the
-    forward pass, which is why it keeps its time under the GIL short): a conversation's prefixes are rendered in two batched template calls, a fast
-    tokenizer's Rust backend is called directly (`encode_batch` releases the GIL; the
-    transformers wrapper around it is Python), and the loss mask is computed on tensors. The
-    direct call is trusted only after it gave exactly what `tokenizer(...)` gives on the first
-    text; otherwise the wrapper is used throughout.
+    forward pass, which is why it keeps its time under the GIL short): a conversation's prefixes
+    are rendered in two batched template calls, a fast tokenizer's Rust backend is called directly
+    (`encode_batch` releases the GIL; the transformers wrapper around it is Python), and the loss
+    mask is computed on tensors. The direct call is trusted only after it gave exactly what
+    `tokenizer(...)` gives on the first text; otherwise the wrapper is used throughout.
     """
 
     def __init__(self, tokenizer: Any, max_length: int | None = None):

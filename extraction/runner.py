@@ -353,6 +353,18 @@ class Runner:
                 ]
             yield kind, value, pending
 
+    @staticmethod
+    def _from_portable(items: Iterable[tuple[str, Any, Any]]) -> Iterator[tuple[str, Any, Any]]:
+        """The tokenizer process's items back as _produce_items gives them (samples as tensors,
+        sharing the received arrays' memory)."""
+        for kind, value, pending in items:
+            if kind == "batch":
+                value = [
+                    Sample(sid, torch.from_numpy(ids), torch.from_numpy(mask), truncated, meta)
+                    for sid, ids, mask, truncated, meta in value
+                ]
+            yield kind, value, pending
+
     def _produce(self, items: Iterable[tuple[str, Any, Any]], out: queue.Queue) -> None:
         """Tokenizer thread: takes the items (tokenized here, or received from the tokenizer
         process) onto the batch queue, and applies row errors."""
@@ -366,11 +378,6 @@ class Runner:
                         self.reporter.row_errors += 1
                         self.reporter.total -= 1
                     continue
-                if value and not isinstance(value[0], Sample):
-                    value = [
-                        Sample(sid, torch.from_numpy(ids), torch.from_numpy(mask), truncated, meta)
-                        for sid, ids, mask, truncated, meta in value
-                    ]
                 while not self.stop_event.is_set():
                     try:
                         out.put(_Work(value, pending), timeout=0.2)
@@ -762,7 +769,7 @@ class Runner:
         if TOKENIZER_PROCESS and hasattr(os, "fork") and os.environ.get("HSX_TOKENIZER") != "thread":
             tokenizer, done = self.tokenizer, self.done
             self.producer_child = ChildGenerator(lambda: self._produce_portable(tokenizer, windows, done))
-            items = self.producer_child
+            items = self._from_portable(self.producer_child)
         else:
             items = self._produce_items(self.tokenizer, windows, self.done)
         self.producer = threading.Thread(
