@@ -74,6 +74,9 @@ _UNTRUNCATED_TOKENS = 32768  # the size a batch is counted at when --max-length 
 # Shards published at once; 0: 1 on <= 4 cores, else 2. More writers hold the GIL more (torch.save's
 # record writing does), which slows the forward thread: on an H200 host 2 beat 4 (docs/benchmarks.md).
 WRITER_THREADS = 0
+# Once the forward pass is over nothing competes for the GIL: the shards still queued (the last
+# batch or two, which the run waits for) are published by up to this many threads at once.
+DRAIN_WRITER_THREADS = 8
 # Tokenize in a forked child process (extraction/childgen.py) instead of a thread: its Python then
 # never takes the GIL from the forward pass. HSX_TOKENIZER=thread in the environment turns it off.
 TOKENIZER_PROCESS = True
@@ -215,6 +218,7 @@ class Runner:
         self.backend_factory = backend_factory
         self.log = log or (lambda msg: print(f"hsx extract: {msg}", file=sys.stderr, flush=True))
         self.stop_event = threading.Event()
+        self.forward_done = threading.Event()  # no batch will be queued for the writer any more
         self.abandon_event = threading.Event()
         self.stop_signal: int | None = None
         self.pause: DiskLow | DiskFullError | None = None
@@ -396,20 +400,32 @@ class Runner:
         """Writer thread: disk guard, atomic publish, counters. Never touches the GPU.
 
         With writer_threads > 1 a batch's shards are published by that many threads at once
-        (torch.save's copies, the CRC and fsync release the GIL); each shard is still atomic and
-        indexed after its rename, so only the order of index lines changes."""
-        pool = None
-        if self.writer_threads > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="hsx-writer")
+        (the copies, the CRC and fsync release the GIL); each shard is still atomic and indexed
+        after its rename, so only the order of index lines changes. After the forward pass has
+        ended, the batches left are published by up to DRAIN_WRITER_THREADS threads (the drain)."""
+        self._writer_pools: dict[int, Any] = {}
         try:
-            self._write_loop(work_q, pool)
+            self._write_loop(work_q)
         finally:
-            if pool is not None:
+            for pool in self._writer_pools.values():
                 pool.shutdown(wait=True)
 
-    def _write_loop(self, work_q: queue.Queue, pool: Any) -> None:
+    def _writer_pool(self) -> Any | None:
+        """Where a batch's shards go: None (this thread), or a pool of the run's writer
+        threads - or of the drain's, once the forward pass is over and nothing competes."""
+        threads = self.writer_threads
+        if self.forward_done.is_set():
+            threads = max(threads, min(DRAIN_WRITER_THREADS, os.cpu_count() or 1))
+        if threads <= 1:
+            return None
+        pool = self._writer_pools.get(threads)
+        if pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = self._writer_pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="hsx-writer")
+        return pool
+
+    def _write_loop(self, work_q: queue.Queue) -> None:
         while True:
             work = work_q.get()
             if work is None:
@@ -432,6 +448,7 @@ class Runner:
                 for sample, states in zip(work.samples, work.results, strict=True)
                 if sample.sample_id in work.pending
             ]
+            pool = self._writer_pool()
             if pool is None:
                 for sample, states in todo:
                     if self.abandon_event.is_set() or self.pause is not None:
@@ -719,6 +736,9 @@ class Runner:
                 signal.signal(sig, old)
             if self.bar is not None:
                 self.bar.close()
+            writer = getattr(self, "writer", None)
+            if writer is not None:
+                writer.close()
             backend = getattr(self, "backend", None)
             if backend is not None:
                 try:
@@ -824,6 +844,7 @@ class Runner:
                     self.bar.set_postfix(tok_s=f"{snap[1]:.0f}", errors=self.reporter.errors, refresh=False)
         finally:
             t0 = time.perf_counter()
+            self.forward_done.set()
             self._stop_producer()
             write_q.put(None)
             while writer.is_alive():

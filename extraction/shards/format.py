@@ -109,9 +109,13 @@ def shard_relpath(sample_id: str) -> str:
     return f"{SHARDS_DIR}/{bucket_of(sample_id)}/{safe_name(sample_id)}{SHARD_SUFFIX}"
 
 
+_TEMP_TAG = os.urandom(4).hex()  # with the pid and a counter: unique without a getrandom per shard
+_TEMP_COUNTER = itertools.count()
+
+
 def temp_name(final_name: str) -> str:
     """A temp name next to `final_name`: hidden, unique, and never ending in `.pt`."""
-    return f"{TEMP_PREFIX}{final_name}.{os.getpid()}.{os.urandom(4).hex()}{TEMP_SUFFIX}"
+    return f"{TEMP_PREFIX}{final_name}.{os.getpid()}.{_TEMP_TAG}{next(_TEMP_COUNTER):x}{TEMP_SUFFIX}"
 
 
 def is_temp_name(name: str) -> bool:
@@ -272,19 +276,29 @@ def tombstone_record(sample_id: str, reason: str) -> dict[str, Any]:
 
 def append_index(output_dir: str, records: Iterable[dict[str, Any]], fsync: bool = True) -> None:
     """Append records with one O_APPEND write, then fsync: the only way the index changes."""
-    data = b"".join(encode_index_line(r) for r in records)
-    if not data:
+    if not (data := b"".join(encode_index_line(r) for r in records)):
         return
-    fd = os.open(os.path.join(output_dir, INDEX_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_index_for_append(output_dir)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        if fsync:
-            os.fsync(fd)
+        write_index_bytes(fd, data, fsync)
     finally:
         os.close(fd)
+
+
+def open_index_for_append(output_dir: str) -> int:
+    """The index opened for appends (created if absent); a long-lived writer keeps it open."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+    return os.open(os.path.join(output_dir, INDEX_NAME), flags, 0o644)
+
+
+def write_index_bytes(fd: int, data: bytes, fsync: bool = True) -> None:
+    """Encoded index lines onto an index fd opened by open_index_for_append (O_APPEND: each
+    write lands at the end, whoever else appends), then fsync."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    if fsync:
+        os.fsync(fd)
 
 
 # --- run.json -------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from extraction.shards.format import IndexEntry, ManifestError
 from extraction.shards.manifest import RunManifest, manifest_mismatches, read_manifest, write_manifest
 
 _DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 class DiskFullError(OSError):
@@ -159,7 +160,11 @@ class ShardWriter:
         self.fsync_index = fsync_index
         self._dtype = getattr(torch, manifest.dtype)
         self._lock = threading.Lock()
-        self._known_dirs: set[str] = set()
+        # Kept open for the writer's life, so a shard costs no open/close of its folder (for the
+        # directory fsync) or of the index (for the append): each system call is also a moment
+        # where a writer thread gives the GIL away and waits to take it back from the forward pass.
+        self._dir_fds: dict[str, int] = {}
+        self._index_fd: int | None = None
         # torch.save's bytes laid out directly, when they match this host's torch byte for byte.
         self._layout, self.write_mode = torchzip.layout_for(self._dtype)  # (None, why) if not
         os.makedirs(os.path.join(self.output_dir, fmt.SHARDS_DIR), exist_ok=True)
@@ -242,8 +247,8 @@ class ShardWriter:
         relpath = fmt.shard_relpath(sample_id)
         final = os.path.join(self.output_dir, relpath)
         directory = os.path.dirname(final)
-        self._ensure_dir(directory)
-        size, crc = self._write_atomically(payload, final)
+        dir_fd = self._ensure_dir(directory)
+        size, crc = self._write_atomically(payload, final, dir_fd)
         entry = IndexEntry(
             sample_id=sample_id,
             path=relpath,
@@ -252,8 +257,11 @@ class ShardWriter:
             num_tokens=int(num_tokens if num_tokens is not None else payload[fmt.KEY_INPUT_IDS].shape[0]),
         )
         try:
+            line = fmt.encode_index_line(fmt.index_record(entry))
             with self._lock:
-                fmt.append_index(self.output_dir, [fmt.index_record(entry)], fsync=self.fsync_index)
+                if self._index_fd is None:
+                    self._index_fd = fmt.open_index_for_append(self.output_dir)
+                fmt.write_index_bytes(self._index_fd, line, fsync=self.fsync_index)
         except OSError as e:
             # Not indexed = not done: take the shard back so disk and index agree.
             fmt._unlink_quiet(final)
@@ -262,9 +270,23 @@ class ShardWriter:
             raise
         return entry
 
-    def _ensure_dir(self, directory: str) -> None:
-        if directory in self._known_dirs:
-            return
+    def close(self) -> None:
+        """Close the folder and index descriptors kept open (publishing again reopens them)."""
+        with self._lock:
+            fds = [*self._dir_fds.values(), *([self._index_fd] if self._index_fd is not None else [])]
+            self._dir_fds, self._index_fd = {}, None
+        for fd in fds:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        if getattr(self, "_lock", None) is not None:
+            self.close()
+
+    def _ensure_dir(self, directory: str) -> int:
+        """The shard folder, created (and its parent fsynced) if need be: its fd, kept open."""
+        fd = self._dir_fds.get(directory)
+        if fd is not None:
+            return fd
         if not os.path.isdir(directory):
             try:
                 os.makedirs(directory, exist_ok=True)
@@ -273,13 +295,18 @@ class ShardWriter:
                     raise DiskFullError(e.errno, f"disk full creating {directory}: {e}") from e
                 raise
             fmt.fsync_dir(os.path.dirname(directory))
-        self._known_dirs.add(directory)
+        fd = os.open(directory, _DIR_FLAGS)
+        kept = self._dir_fds.setdefault(directory, fd)  # another writer thread may have won
+        if kept != fd:
+            os.close(fd)
+        return kept
 
     def _open_temp(self, path: str) -> Any:
-        """Opened exclusively; a seam tests use to inject write errors."""
-        return open(path, "xb")
+        """Opened exclusively, unbuffered (pieces go to one writev; no isatty/lseek a buffered
+        file costs); a seam tests use to inject write errors."""
+        return open(path, "xb", buffering=0)
 
-    def _write_atomically(self, payload: dict[str, torch.Tensor], final: str) -> tuple[int, int]:
+    def _write_atomically(self, payload: dict[str, torch.Tensor], final: str, dir_fd: int) -> tuple[int, int]:
         """temp -> write -> fsync -> rename -> fsync dir; (size, CRC32 of the file)."""
         directory, name = os.path.split(final)
         tmp = os.path.join(directory, fmt.temp_name(name))
@@ -297,7 +324,7 @@ class ShardWriter:
             # After torch.save the checksum is the CRC32 of the bytes on disk, read back (page cache).
             size, crc = (encoded.size, encoded.crc) if encoded is not None else file_crc32(tmp)
             os.replace(tmp, final)
-            fmt.fsync_dir(directory)
+            os.fsync(dir_fd)
         except BaseException as e:
             fmt._unlink_quiet(tmp)
             cause = wrapper.error if wrapper.error is not None else e
@@ -320,7 +347,7 @@ class ShardWriter:
 
 def _is_real_file(f: Any, path: str) -> bool:
     """`f` is the plain file just opened at `path` (not a test's wrapper or another file)."""
-    return isinstance(f, io.BufferedWriter) and getattr(f, "name", None) == path
+    return isinstance(f, io.FileIO) and getattr(f, "name", None) == path
 
 
 def remove_orphan_temps(output_dir: str | os.PathLike[str]) -> int:

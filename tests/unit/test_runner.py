@@ -128,6 +128,46 @@ def test_async_extract_and_parallel_writers_write_the_same_bits(
         assert entry.size < entry.num_tokens * (4 * 64 * 4 + 16) + 8192, entry
 
 
+class _SlowCopy(_AsyncShared):
+    """Each batch's copy to the host takes 0.1 s: the writer falls behind the forward pass."""
+
+    def extract_async(self, samples):
+        time.sleep(0.03)
+        pending = self.inner.extract_async(samples)
+        wait = pending.wait
+        pending.wait = lambda: (time.sleep(0.1), wait())[1]
+        return pending
+
+
+def test_shards_left_when_the_forward_ends_are_published_by_more_threads(
+    tiny_model_dir, dataset, backend, tmp_path, ids, monkeypatch
+) -> None:
+    """The drain: while the forward runs, one writer; the batches still queued when it has ended
+    (the tail the run waits for) go to DRAIN_WRITER_THREADS threads at once."""
+    monkeypatch.setattr("extraction.runner.WRITER_THREADS", 1)
+    monkeypatch.setattr("extraction.runner.DRAIN_WRITER_THREADS", 4)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    from extraction.shards.writer import ShardWriter
+
+    seen: list[tuple[bool, str]] = []
+    publish = ShardWriter.publish
+    cfg = make_cfg(tiny_model_dir, dataset, tmp_path / "out", batch_size=2)
+    runner = Runner(cfg, lambda _c, _i: _SlowCopy(backend.inner))
+
+    def recording(self, *a, **k):
+        seen.append((runner.forward_done.is_set(), __import__("threading").current_thread().name))
+        time.sleep(0.02)
+        return publish(self, *a, **k)
+
+    monkeypatch.setattr(ShardWriter, "publish", recording)
+    assert runner.run() == EXIT_OK
+    assert_complete(tmp_path / "out", ids)
+    during = {name for done, name in seen if not done}
+    after = {name for done, name in seen if done}
+    assert during == {"hsx-writer"}, seen  # the run's one writer thread
+    assert len(after) >= 2 and "hsx-writer" not in after, seen
+
+
 def test_resume_skips_done_and_redoes_a_damaged_shard(
     tiny_model_dir, dataset, backend, reference, tmp_path, ids
 ) -> None:
@@ -412,7 +452,9 @@ def test_tokenizer_runs_in_a_child_process_same_bits_and_row_errors(
         pids.unlink(missing_ok=True)
         outs[mode] = tmp_path / mode
         cfg = make_cfg(tiny_model_dir, dataset, outs[mode])
-        assert run(cfg, backend) == EXIT_OK  # a row that cannot be tokenized is a data error, as a malformed one
+        assert (
+            run(cfg, backend) == EXIT_OK
+        )  # a row that cannot be tokenized is a data error, as a malformed one
         seen = {int(x) for x in pids.read_text().split()}
         assert (seen != {os.getpid()}) if mode == "process" else (seen == {os.getpid()}), (mode, seen)
         errors = [json.loads(x) for x in (outs[mode] / ERRORS_NAME).read_text().splitlines()]

@@ -157,7 +157,7 @@ def test_disk_full_while_indexing_takes_the_shard_back(tmp_path, monkeypatch):
     def no_space(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(writer_mod.fmt, "append_index", no_space)
+    monkeypatch.setattr(writer_mod.fmt, "write_index_bytes", no_space)
     with pytest.raises(DiskFullError):
         w.publish("x", **tensors(5))
     assert not (tmp_path / shard_relpath("x")).exists()
@@ -263,4 +263,30 @@ def test_without_a_checked_layout_torch_save_writes_the_same_bytes(tmp_path, mon
     t["hidden_state"] = batch[2].copy_(t["hidden_state"])
     entry = w.publish("s", **t)
     assert (tmp_path / entry.path).read_bytes() == want
-    assert entry.checksum == fmt.checksum_string(__import__("zlib").crc32((tmp_path / entry.path).read_bytes()))
+    assert entry.checksum == fmt.checksum_string(
+        __import__("zlib").crc32((tmp_path / entry.path).read_bytes())
+    )
+
+
+def test_a_shard_opens_only_its_temp_file_once_its_folder_and_the_index_are_open(tmp_path, monkeypatch):
+    """Folder (for the directory fsync) and index fds stay open across publishes: each system call
+    is a GIL hand-over the forward pass waits on. close() closes them; publishing reopens."""
+    w = ShardWriter(tmp_path, manifest())
+    w.publish("first", **tensors(4))
+    sid = next(f"x{i}" for i in range(1000) if fmt.bucket_of(f"x{i}") == fmt.bucket_of("first"))
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(
+        os, "open", lambda path, *a, **k: (opened.append(str(path)), real_open(path, *a, **k))[1]
+    )
+    w.publish(sid, **tensors(4))
+    assert opened == []  # the temp file goes through open(); nothing else is opened
+    fds = [*w._dir_fds.values(), w._index_fd]
+    w.close()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    w.publish("third", **tensors(4))
+    assert set(load_index(tmp_path)) == {"first", sid, "third"}
+    assert any(p.endswith(fmt.INDEX_NAME) for p in opened)
+    w.close()
