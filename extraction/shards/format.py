@@ -1235,6 +1235,12 @@ def _check_entry(entry: IndexEntry | None, size: int, num_tokens: int) -> None:
 
 
 _FORK_MIN_QUICK = 1000  # below this many files a `quick` run is faster than forking workers
+# List the folders while the forked workers check (True), before (False), or None: alongside when
+# the workers leave a core free (_quick_split).
+_LIST_ALONGSIDE: bool | None = None
+_FORK_MIN_REDO = (
+    256  # full checks after the listing (no index entry, not a regular file) forked from this many
+)
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
@@ -1528,9 +1534,10 @@ class _QuickWorker:
                 os.close(fd)
         return self._result()
 
-    def list(self, take: Iterable[int], fds: list[int]) -> list | None:
+    def list(self, take: Iterable[int], fds: list[int], opened: dict[str, int] | None = None) -> list | None:
         """The shards of the folders `take` names as jobs in order of indexed size; None when a
-        folder could not be listed (self.error says which). Folder fds opened go into `fds`.
+        folder could not be listed (self.error says which). Folder fds opened go into `fds`;
+        `opened` gives folders already open (bucket -> fd, closed by the caller).
 
         Shards of one size share a layout: checked one after another, its bytes stay in the
         CPU's cache instead of being fetched again for every file (runs have ~2k lengths).
@@ -1538,7 +1545,7 @@ class _QuickWorker:
         jobs: list[tuple[int, str, int | None, str, _Row | None, bool]] = []
         for i in take:
             try:
-                self._list(i, fds, jobs)
+                self._list(i, fds, jobs, (opened or {}).get(self.buckets[i]))
             except OSError as e:
                 self.error = (i, e)
                 return None
@@ -1548,12 +1555,15 @@ class _QuickWorker:
     def _result(self) -> tuple:
         return self.files, self.ok, self.nbytes, self.problems, self.orphans, self.unindexed, self.error
 
-    def _list(self, i: int, fds: list[int], jobs: list) -> None:
-        """List folder i: its shards become jobs (indexed size, path to open, folder fd, rel, row, regular)."""
+    def _list(self, i: int, fds: list[int], jobs: list, fd: int | None = None) -> None:
+        """List folder i (through `fd` when it is open already): its shards become jobs
+        (indexed size, path to open, folder fd, rel, row, regular)."""
         path = os.path.join(self.output_dir, SHARDS_DIR, self.buckets[i])
         prefix = f"{SHARDS_DIR}/{self.buckets[i]}/"
-        fd = None
-        if _DIR_FD and len(fds) < _MAX_DIR_FDS:
+        if fd is not None:
+            with os.scandir(fd) as it:
+                entries = list(it)
+        elif _DIR_FD and len(fds) < _MAX_DIR_FDS:
             try:
                 fd = os.open(path, _DIR_OPEN)
             except OSError:
@@ -1756,14 +1766,46 @@ def _check_share(lister: _QuickWorker, jobs: list) -> tuple:
 def _quick_split(
     output_dir: str, buckets: list[str], expect: Expect, by_path: dict[str, _Row], n: int, reap: list[int]
 ) -> list[tuple]:
-    """List every folder here, then check the shards in n processes split by size: each size's
-    layout is learnt (one full check) by one worker instead of by every worker, which is most of
-    a first verification's cost when shards are small (~0.1 ms per length, runs have ~2k).
+    """`quick` in n forked workers, split by size, each size's layout learnt by one worker
+    instead of by every worker (most of a first verification's cost when shards are small:
+    ~0.1 ms per length, runs have ~2k).
+
+    The workers check the shards the index names, opened relative to their folders (opened here
+    before the fork), while this process lists the folders: the listing (~15 ms for 10k shards)
+    is no longer ahead of every check - when a core is left for it (n < CPUs; on 2 cores with
+    2 workers it slows the checks more than it saves: 125 -> 149 ms). The listing then reconciles (_reconcile): a shard it did
+    not find is missing (whatever a worker made of it), one that is not a regular file per the
+    listing, or not in the index, gets the full check here. When a folder cannot be opened,
+    everything is listed first (_quick_split_listed), which reports the folder as before.
     """
     lister = _QuickWorker(output_dir, buckets, expect, by_path)
+    opened: dict[str, int] = {}
+    try:
+        alongside = _LIST_ALONGSIDE if _LIST_ALONGSIDE is not None else n < (os.cpu_count() or 1)
+        if not alongside or len(buckets) > _MAX_DIR_FDS or not _DIR_FD:
+            return _quick_split_listed(lister, n, reap)
+        root = os.path.join(output_dir, SHARDS_DIR)
+        for b in buckets:
+            try:
+                opened[b] = os.open(os.path.join(root, b), _DIR_OPEN)
+            except OSError:
+                return _quick_split_listed(lister, n, reap)
+        jobs = _indexed_jobs(by_path, opened)
+        shares = [share for share in _split_by_size(jobs, n) if share]
+        parts = _fork_map(
+            _quick_part, [("list", lister, opened), *(("check", lister, share) for share in shares)], reap
+        )
+        return _reconcile(lister, parts[0], parts[1:], jobs, n, reap)
+    finally:
+        for fd in opened.values():
+            os.close(fd)
+
+
+def _quick_split_listed(lister: _QuickWorker, n: int, reap: list[int]) -> list[tuple]:
+    """List every folder here, then check the listed shards in n processes split by size."""
     fds: list[int] = []
     try:
-        jobs = lister.list(range(len(buckets)), fds)
+        jobs = lister.list(range(len(lister.buckets)), fds)
         if jobs is None:
             return [lister._result()]
         shares = _split_by_size(jobs, n)
@@ -1774,6 +1816,61 @@ def _quick_split(
         for fd in fds:
             os.close(fd)
     return [lister._result(), *parts]
+
+
+def _indexed_jobs(by_path: dict[str, _Row], opened: dict[str, int]) -> list:
+    """The index's shards as jobs (sorted by size), each opened relative to its open folder;
+    a shard whose folder is not there is not a job (the listing reports it missing)."""
+    start = len(SHARDS_DIR) + 1
+    end = start + BUCKET_HEX_CHARS
+    small = _SMALL_FILE
+    jobs = []
+    append = jobs.append
+    for rel, row in by_path.items():  # rel matched _INDEX_PATH: shards/<bucket>/<name>.pt
+        fd = opened.get(rel[start:end])
+        if fd is not None:
+            append((row[2] if 0 < row[2] <= small else 0, rel[end + 1 :], fd, rel, row, True))
+    jobs.sort(key=_BY_SIZE)
+    return jobs
+
+
+def _quick_part(kind: str, lister: _QuickWorker, arg: Any) -> Any:
+    """_quick_split's work for _fork_map: "list" (here) the open folders, "check" (a forked
+    worker) a share of the index's jobs."""
+    if kind == "list":
+        return lister.list(range(len(lister.buckets)), [], arg)
+    return _check_share(lister, arg)
+
+
+def _reconcile(
+    lister: _QuickWorker, listed: list | None, checked: list[tuple], jobs: list, n: int, reap: list[int]
+) -> list[tuple]:
+    """The workers' verdicts, corrected by the listing: a shard the listing did not find is
+    missing (its verdict dropped); one it says is not a regular file, or that has no index
+    entry, gets the full check now (in n workers when there are many)."""
+    if listed is None:  # a folder could not be listed: _merge_quick reports it
+        return [lister._result()]
+    parts = [list(p) for p in checked]
+    irregular = [job for job in listed if job[4] is not None and not job[5]]
+    drop = {job[3] for job in irregular}
+    if len(lister.files) - len(lister.unindexed) != len(lister.by_path):
+        drop |= lister.by_path.keys() - set(lister.files)
+    if drop and parts:
+        judged = {job[3] for job in jobs} & drop  # checked by a worker: one verdict each
+        for p in parts:
+            bad = {rel for rel, _, _ in p[3]}
+            p[3] = [problem for problem in p[3] if problem[0] not in drop]
+            judged -= bad & drop
+        parts[0][1] -= len(judged)  # passed: counted ok with their indexed size
+        parts[0][2] -= sum(lister.by_path[rel][2] for rel in judged)
+    redo = sorted((job for job in listed if job[4] is None or not job[5]), key=_BY_SIZE)
+    if redo and len(redo) >= _FORK_MIN_REDO and n > 1:
+        parts += _fork_map(
+            _check_share, [(lister, share) for share in _split_by_size(redo, n) if share], reap
+        )
+    elif redo:
+        parts.append(list(_check_share(lister, redo)))
+    return [lister._result(), *map(tuple, parts)]
 
 
 def _verify_quick(

@@ -142,6 +142,7 @@ def test_quick_forks_workers_and_agrees_with_one(tmp_path, monkeypatch):
     (tmp_path / entries[1].path).unlink()
     one = fmt.verify_output(str(tmp_path), "quick", workers=1)
     monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
+    monkeypatch.setattr(fmt, "_LIST_ALONGSIDE", True)  # whatever the number of cores here
     monkeypatch.setattr(fmt, "_LAYOUTS", {})  # nothing learnt yet, as in a new `hsx verify`
     forks: list[int] = []
     real = fmt._fork_map
@@ -167,16 +168,64 @@ def test_quick_forks_workers_and_agrees_with_one(tmp_path, monkeypatch):
     monkeypatch.setattr(fmt._QuickWorker, "_slow", slow)
     monkeypatch.setattr(fmt._QuickWorker, "_learn", learn)
     three = fmt.verify_output(str(tmp_path), "quick", workers=3)
-    assert forks == [3]
+    assert forks == [4]  # the listing here, 3 workers checking what the index names
     assert [(b.path, b.reason) for b in one.bad] == [(b.path, b.reason) for b in three.bad]
     assert one.missing == three.missing == [entries[1].sample_id]
     assert (one.checked, one.ok, one.bytes, len(one.bad)) == (three.checked, three.ok, three.bytes, 8)
     # Split by size: each size's layout is learnt by one worker, from one good shard; the 8 bad
-    # shards get the full check for their reasons, and no other shard does.
+    # shards get the full check for their reasons, and so does the missing one (a worker cannot
+    # open it; the listing then says it is missing), no other shard.
     calls = [line.split() for line in full_checks.read_text().splitlines()]
     learnt = [path for what, path in calls if what == "learn-passed"]
     assert len(learnt) == len(set(learnt)) == 6
-    assert sorted(path for what, path in calls if what == "slow") == sorted(b.path for b in one.bad)
+    slow = sorted(path for what, path in calls if what == "slow")
+    assert slow == sorted([b.path for b in one.bad] + [entries[1].path])
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_forked_quick_lets_the_listing_decide_what_is_missing_irregular_or_unindexed(
+    tmp_path, monkeypatch, delay
+):
+    """Workers check what the index names while this process lists the folders; the listing has
+    the last word. A shard gone before the listing (after a worker passed it: delay 0.3 s; or
+    before the worker opened it: 0) is missing, not ok and not bad; a FIFO in a shard's place and
+    shards the index does not name get the full check (forked too when there are many)."""
+    w = ShardWriter(tmp_path, manifest())
+    entries = [w.publish(f"s{i:03d}", **tensors(3 + i % 4, seed=i)) for i in range(12)]  # 4 sizes
+    extra = [w.publish(f"u{i}", **tensors(4, seed=i)) for i in range(3)]
+    index = tmp_path / fmt.INDEX_NAME
+    index.write_bytes(
+        b"".join(line for line in index.read_bytes().splitlines(keepends=True) if b'"u' not in line)
+    )
+    os.unlink(tmp_path / entries[5].path)
+    os.mkfifo(tmp_path / entries[5].path)  # listed, not a regular file
+    one = fmt.verify_output(str(tmp_path), "quick", workers=1)
+    monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
+    monkeypatch.setattr(fmt, "_FORK_MIN_REDO", 2)
+    monkeypatch.setattr(fmt, "_LIST_ALONGSIDE", True)
+    forks: list[int] = []
+    real_fork = fmt._fork_map
+    monkeypatch.setattr(
+        fmt, "_fork_map", lambda fn, parts, *a: forks.append(len(parts)) or real_fork(fn, parts, *a)
+    )
+    real_list = fmt._QuickWorker.list
+
+    def list_after_a_deletion(self, take, fds, opened=None):
+        time.sleep(delay)
+        if opened is not None and (tmp_path / entries[2].path).exists():
+            os.unlink(tmp_path / entries[2].path)
+        return real_list(self, take, fds, opened)
+
+    monkeypatch.setattr(fmt._QuickWorker, "list", list_after_a_deletion)
+    r = fmt.verify_output(str(tmp_path), "quick", workers=3)
+    assert forks[0] == 4 and len(forks) == 2  # listing + 3 workers; then the 4 full checks, forked
+    assert r.missing == [entries[2].sample_id]
+    assert r.unindexed == sorted(e.path for e in extra) == one.unindexed
+    assert [(b.path, b.reason) for b in r.bad] == [(b.path, b.reason) for b in one.bad]
+    assert [b.path for b in r.bad] == [entries[5].path] and "regular" in r.bad[0].reason
+    assert r.ok == one.ok - 1 == 10 + 3  # 12 indexed - FIFO - gone, + 3 unindexed good shards
+    assert r.bytes == one.bytes - entries[2].size
+    assert r.checked == one.checked - 1
 
 
 def test_split_by_size_keeps_each_size_in_one_share_and_balances():
@@ -315,11 +364,13 @@ def _plain_reasons(root: Path, entries) -> dict[str, str | None]:
     return out
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_quick_fast_path_sends_odd_files_to_the_plain_checks(tmp_path, monkeypatch, workers):
+@pytest.mark.parametrize("workers,alongside", [(1, None), (2, False), (2, True)])
+def test_quick_fast_path_sends_odd_files_to_the_plain_checks(tmp_path, monkeypatch, workers, alongside):
     # Shards of one length: after one run every size has a known layout, so each file below
     # reaches the 3-system-call path and must still be judged exactly as check_shard judges it.
+    # With workers, the folders listed before the checks or alongside them (_quick_split).
     monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
+    monkeypatch.setattr(fmt, "_LIST_ALONGSIDE", alongside)
     _, entries = make_run(tmp_path, n=12, length=4)
     assert fmt.verify_output(str(tmp_path), "quick", workers=workers).ok == 12
     p = [tmp_path / e.path for e in entries]
