@@ -12,6 +12,7 @@ kill -9 of the runner leaves nothing behind that matters.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -33,6 +34,11 @@ class ChildGenerator:
 
     def __init__(self, make_items: Callable[[], Iterable[Any]]):
         r, w = os.pipe()
+        # While the child lives, a page this process writes that the child still shares is copied
+        # first (a fault, and a TLB flush across this process's threads). The cyclic GC writes to
+        # every object it tracks on a full collection: frozen (left out of collections for good,
+        # as the gc docs advise before a fork), the objects from before the fork stay unwritten.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:  # the child: never returns into the caller's code
             os.close(r)
