@@ -40,7 +40,7 @@ options:
         default: false
     workers:
         description:
-            - Parallel worker processes; V(0) means one per CPU (at most 8).
+            - Parallel worker processes; V(0) means one per CPU but one (at most 16; all of them on 1-2 CPUs).
         type: int
         default: 0
     orphan_min_age:
@@ -172,7 +172,7 @@ import os  # noqa: E402 - Ansible modules import after their docs
 import time  # noqa: E402 - Ansible modules import after their docs
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib  # noqa: E402 - Ansible modules import after their docs
-from ansible.module_utils.hsx_shard_format import LEVELS, ManifestError, verify_output  # noqa: E402 - Ansible modules import after their docs
+from ansible.module_utils.hsx_shard_format import LEVELS, ManifestError, default_workers, verify_output  # noqa: E402 - Ansible modules import after their docs
 
 try:
     from extraction.shards.verify import deep_check
@@ -193,7 +193,7 @@ class ShardVerifier:
             self.module.fail_json(
                 msg=missing_required_lib("hsx-extraction with torch", reason="for level=deep")
             )
-        workers = p["workers"] or min(8, os.cpu_count() or 1)
+        workers = p["workers"] or default_workers()
         try:
             report = verify_output(
                 p["path"],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -16,7 +15,7 @@ from extraction.export_view import (
     ExportReport,
     export_view,
 )
-from extraction.shards.format import LEVELS, ManifestError
+from extraction.shards.format import LEVELS, ManifestError, default_workers
 
 EXIT_USAGE = 2
 
@@ -60,7 +59,7 @@ def register(subparsers: Any) -> None:
         default=None,
         help=f"files per rows_a-b folder (default {DEFAULT_GROUP_SIZE}, SpecForge's --file-group-size)",
     )
-    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="parallel verify workers")
+    p.add_argument("--workers", type=int, default=default_workers(), help="parallel verify workers")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.set_defaults(func=run)
 

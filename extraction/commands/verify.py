@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
-from extraction.shards.format import LEVELS, ManifestError, VerifyReport
+from extraction.shards.format import LEVELS, ManifestError, VerifyReport, default_workers
 
 EXIT_USAGE = 2
 
@@ -33,7 +32,12 @@ def register(subparsers: Any) -> None:
         "samples not done in the index, delete stale writer temp files",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
-    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="parallel workers")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        help="parallel workers (default: cores - 1, at most 16)",
+    )
     p.add_argument(
         "--orphan-age",
         type=float,

@@ -1235,6 +1235,20 @@ def _check_entry(entry: IndexEntry | None, size: int, num_tokens: int) -> None:
 
 
 _FORK_MIN_QUICK = 1000  # below this many files a `quick` run is faster than forking workers
+
+
+def default_workers() -> int:
+    """Verification workers when none are asked for: every core but one (left for the listing
+    that runs alongside the workers, _quick_split), at most 16; all of them on 1-2 cores.
+
+    `quick` is system calls and layout learning spread over the workers: on a 16-core host, a
+    first verification of 10,000 small shards took 84-108 ms (median) with 8 workers and
+    78 ms with 15 (docs/benchmarks.md, "quick, fifth pass").
+    """
+    cpus = os.cpu_count() or 1
+    return cpus if cpus <= 2 else min(16, cpus - 1)
+
+
 # List the folders while the forked workers check (True), before (False), or None: alongside when
 # the workers leave a core free (_quick_split).
 _LIST_ALONGSIDE: bool | None = None
@@ -1763,6 +1777,39 @@ def _check_share(lister: _QuickWorker, jobs: list) -> tuple:
     return worker._result()
 
 
+_CHUNKS_PER_WORKER = 4
+_CHUNK_ID = struct.Struct("<H")
+
+
+class _Chunks:
+    """Jobs cut by size (_split_by_size) into a few chunks per worker, handed out one at a time
+    through a pipe filled and closed for writing before the fork: a worker that runs slower (its
+    hyperthread sibling busy, forked later, or the parent listing first) takes fewer, so all end
+    together. A read of 2 bytes from the pipe is one chunk id, whole; an empty read: all taken.
+    """
+
+    def __init__(self, jobs: list, workers: int):
+        self.chunks = [c for c in _split_by_size(jobs, min(workers * _CHUNKS_PER_WORKER, 0xFFFF)) if c]
+        r, w = os.pipe()
+        try:
+            data = b"".join(map(_CHUNK_ID.pack, range(len(self.chunks))))
+            while data:  # a few hundred bytes at most: far below a pipe's capacity
+                data = data[os.write(w, data) :]
+        finally:
+            os.close(w)
+        self.fd = r
+
+    def check(self, lister: _QuickWorker) -> tuple:
+        """Check chunks until none is left (in whichever process calls it); the checks' result."""
+        worker = _QuickWorker(lister.output_dir, lister.buckets, lister.expect, lister.by_path)
+        while len(got := os.read(self.fd, _CHUNK_ID.size)) == _CHUNK_ID.size:
+            worker._check(self.chunks[_CHUNK_ID.unpack(got)[0]], None)
+        return worker._result()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 def _quick_split(
     output_dir: str, buckets: list[str], expect: Expect, by_path: dict[str, _Row], n: int, reap: list[int]
 ) -> list[tuple]:
@@ -1791,11 +1838,17 @@ def _quick_split(
             except OSError:
                 return _quick_split_listed(lister, n, reap)
         jobs = _indexed_jobs(by_path, opened)
-        shares = [share for share in _split_by_size(jobs, n) if share]
-        parts = _fork_map(
-            _quick_part, [("list", lister, opened), *(("check", lister, share) for share in shares)], reap
-        )
-        return _reconcile(lister, parts[0], parts[1:], jobs, n, reap)
+        chunks = _Chunks(jobs, n)
+        try:
+            parts = _fork_map(
+                _quick_part,
+                [("list", lister, opened, chunks), *[("check", lister, opened, chunks)] * n],
+                reap,
+            )
+        finally:
+            chunks.close()
+        listed, own = parts[0]
+        return _reconcile(lister, listed, [own, *parts[1:]], jobs, n, reap)
     finally:
         for fd in opened.values():
             os.close(fd)
@@ -1808,10 +1861,11 @@ def _quick_split_listed(lister: _QuickWorker, n: int, reap: list[int]) -> list[t
         jobs = lister.list(range(len(lister.buckets)), fds)
         if jobs is None:
             return [lister._result()]
-        shares = _split_by_size(jobs, n)
-        parts = _fork_map(
-            _check_share, [(lister, share) for share in shares if share] or [(lister, [])], reap
-        )
+        chunks = _Chunks(jobs, n)
+        try:
+            parts = _fork_map(_Chunks.check, [(chunks, lister)] * n, reap)
+        finally:
+            chunks.close()
     finally:
         for fd in fds:
             os.close(fd)
@@ -1834,12 +1888,12 @@ def _indexed_jobs(by_path: dict[str, _Row], opened: dict[str, int]) -> list:
     return jobs
 
 
-def _quick_part(kind: str, lister: _QuickWorker, arg: Any) -> Any:
-    """_quick_split's work for _fork_map: "list" (here) the open folders, "check" (a forked
-    worker) a share of the index's jobs."""
+def _quick_part(kind: str, lister: _QuickWorker, opened: dict[str, int], chunks: _Chunks) -> Any:
+    """_quick_split's work for _fork_map: "list" (here) the open folders, then check chunks of
+    the index's jobs like the workers: (listing, checks); "check" (a forked worker): checks."""
     if kind == "list":
-        return lister.list(range(len(lister.buckets)), [], arg)
-    return _check_share(lister, arg)
+        return lister.list(range(len(lister.buckets)), [], opened), chunks.check(lister)
+    return chunks.check(lister)
 
 
 def _reconcile(

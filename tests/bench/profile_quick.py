@@ -53,6 +53,20 @@ def timed_share(lister, jobs):
     return out
 
 fmt._check_share = timed_share
+if hasattr(fmt, "_Chunks"):  # chunks handed out through a pipe: time each process's whole take
+    chunks_check = fmt._Chunks.check
+
+    def timed_chunks(self, lister):
+        s = time.perf_counter()
+        out = chunks_check(self, lister)
+        e = time.perf_counter()
+        line = json.dumps({"pid": os.getpid(), "start": s, "end": e, "jobs": -1}) + "\n"
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.write(fd, line.encode())
+        os.close(fd)
+        return out
+
+    fmt._Chunks.check = timed_chunks
 s = time.perf_counter()
 r = fmt.verify_output(root, "quick", workers=workers)
 t["total"] = (time.perf_counter() - s) * 1e3

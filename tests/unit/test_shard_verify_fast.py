@@ -228,6 +228,34 @@ def test_forked_quick_lets_the_listing_decide_what_is_missing_irregular_or_unind
     assert r.checked == one.checked - 1
 
 
+@pytest.mark.parametrize("alongside", [False, True])
+def test_forked_quick_hands_out_chunks_so_a_slow_worker_takes_fewer(tmp_path, monkeypatch, alongside):
+    """Chunks of sizes go out one at a time: the parent, slowed down here, checks fewer of them
+    than its forked worker instead of half; the verdicts are one worker's."""
+    w = ShardWriter(tmp_path, manifest())
+    for i in range(24):
+        w.publish(f"s{i:03d}", **tensors(3 + i % 8, seed=i))  # 8 sizes: 8 chunks for 2 workers
+    one = fmt.verify_output(str(tmp_path), "quick", workers=1)
+    monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
+    monkeypatch.setattr(fmt, "_LIST_ALONGSIDE", alongside)
+    parent, log = os.getpid(), tmp_path / "chunks"
+    real_check = fmt._QuickWorker._check
+
+    def check(self, jobs, progress):
+        if os.getpid() == parent:
+            time.sleep(0.3)
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real_check(self, jobs, progress)
+
+    monkeypatch.setattr(fmt._QuickWorker, "_check", check)
+    r = fmt.verify_output(str(tmp_path), "quick", workers=2)
+    assert (r.checked, r.ok, r.bytes) == (one.checked, one.ok, one.bytes) == (24, 24, one.bytes)
+    takers = log.read_text().split()
+    assert len(takers) == 8
+    assert takers.count(str(parent)) <= 2  # a static split would have given it half (4)
+
+
 def test_split_by_size_keeps_each_size_in_one_share_and_balances():
     sizes = [100] * 40 + [104] * 3 + [108] * 1 + [112] * 40 + [116] * 2 + [120] * 30
     jobs = [(size, f"f{i}", None, f"r{i}", None, True) for i, size in enumerate(sorted(sizes))]
@@ -539,3 +567,9 @@ def test_quick_learning_from_read_bytes_gives_check_shards_verdicts(tmp_path, mo
     r = fmt.verify_output(str(tmp_path), "quick")
     assert sorted((b.path, b.reason) for b in r.bad) == sorted((p, why) for p, _, why in want[3])
     assert len(r.bad) == 3 and r.ok == want[1] == 1
+
+
+@pytest.mark.parametrize("cpus,workers", [(None, 1), (1, 1), (2, 2), (4, 3), (16, 15), (17, 16), (128, 16)])
+def test_default_workers_leave_a_core_for_the_listing(monkeypatch, cpus, workers):
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    assert fmt.default_workers() == workers
