@@ -1509,8 +1509,8 @@ def _index_rows(lines: list[bytes]) -> dict[str, _Row] | None:
 
 class _QuickWorker:
     """`quick` over bucket folders: list them (list), check their shards (_check) - both in one
-    process, or the listing here and the checking split by size between forked workers
-    (_quick_split, _check_share).
+    process, or the listing here and the checking in chunks of sizes taken by forked workers
+    (_quick_split, _Chunks).
 
     The fast path, for a shard of a layout already seen (_Layout) whose index entry gives its
     size: the listing's d_type says it is a regular file; open it relative to its folder
@@ -1818,12 +1818,13 @@ def _quick_split(
     ~0.1 ms per length, runs have ~2k).
 
     The workers check the shards the index names, opened relative to their folders (opened here
-    before the fork), while this process lists the folders: the listing (~15 ms for 10k shards)
-    is no longer ahead of every check - when a core is left for it (n < CPUs; on 2 cores with
-    2 workers it slows the checks more than it saves: 125 -> 149 ms). The listing then reconciles (_reconcile): a shard it did
-    not find is missing (whatever a worker made of it), one that is not a regular file per the
-    listing, or not in the index, gets the full check here. When a folder cannot be opened,
-    everything is listed first (_quick_split_listed), which reports the folder as before.
+    before the fork), while this process lists the folders and then joins them (_Chunks): the
+    listing (~15 ms for 10k shards) is no longer ahead of every check - when a core is left for
+    it (n < CPUs; on 2 cores with 2 workers it slowed the checks more than it saved: 125 -> 149
+    ms). The listing then reconciles (_reconcile): a shard it did not find is missing (whatever
+    a worker made of it), one that is not a regular file per the listing, or not in the index,
+    gets the full check here. When a folder cannot be opened, everything is listed first
+    (_quick_split_listed), which reports the folder as before.
     """
     lister = _QuickWorker(output_dir, buckets, expect, by_path)
     opened: dict[str, int] = {}
