@@ -12,9 +12,10 @@ Output layout::
     OUTPUT/shards/<bucket>/<id>.pt       one torch.save dict per sample
     OUTPUT/quarantine/<bucket>/<id>.pt   shards that failed verification, + .reason.json
 
-Why an append-only JSONL index and not SQLite: one `write()` of a short line with O_APPEND
-after the shard is already fsynced and renamed is the whole commit protocol; a crash can only
-tear the last line, which its per-line CRC32 detects and `load_index` skips. It is readable
+Why an append-only JSONL index and not SQLite: one `write()` of short lines with O_APPEND
+after the shards are already fsynced and renamed (one line a shard, one write a batch of them)
+is the whole commit protocol; a crash can only tear the last lines, which their per-line CRC32
+detects and `load_index` skips. It is readable
 with the standard library, grep and jq on any host, survives copying between filesystems
 (NFS, overlay) where SQLite locking is unreliable, and is only ever a hint: verification
 reconciles it against the files on disk, so a lost tail costs a re-index, never bad data.

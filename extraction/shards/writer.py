@@ -1,7 +1,8 @@
 """Atomic shard publication: a final `.pt` name never points to a partial file.
 
-Protocol per sample: temp name in the shard's own directory -> write -> fsync -> rename
--> fsync the directory -> append one line to the index (and fsync it). The bytes are torch.save's:
+Protocol per sample: temp name in the shard's own directory -> write -> fsync -> rename (write);
+then, for one shard (publish) or a batch (commit): fsync each directory -> append their lines to the
+index with one write (and fsync it). The bytes are torch.save's:
 laid out directly by `torchzip` (checked byte for byte against this host's torch.save at start; the
 tensors go to one writev from where they lie, the GIL released) or, where that check fails, by
 torch.save itself. The index's checksum is the CRC32 of the whole file (the same bytes `full`
@@ -243,32 +244,59 @@ class ShardWriter:
         hidden_state may be [L, H] or [1, L, H]; aux_hidden_state [L, k*H] or [1, L, k*H].
         Raises ShardDataError (nothing written) or DiskFullError (nothing left behind).
         """
+        entry = self.write(sample_id, input_ids, loss_mask, hidden_state, aux_hidden_state, num_tokens)
+        self.commit([entry])
+        return entry
+
+    def write(
+        self,
+        sample_id: str,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        hidden_state: torch.Tensor,
+        aux_hidden_state: torch.Tensor,
+        num_tokens: int | None = None,
+    ) -> IndexEntry:
+        """publish's first half: the shard complete and fsynced under its final name, not yet in
+        the index (a crash now leaves an unindexed shard, which resume redoes). commit() makes a
+        batch of them durable and done with one index write: the runner commits once per batch.
+        """
         payload = self.build_payload(sample_id, input_ids, loss_mask, hidden_state, aux_hidden_state)
         relpath = fmt.shard_relpath(sample_id)
         final = os.path.join(self.output_dir, relpath)
-        directory = os.path.dirname(final)
-        dir_fd = self._ensure_dir(directory)
-        size, crc = self._write_atomically(payload, final, dir_fd)
-        entry = IndexEntry(
+        self._ensure_dir(os.path.dirname(final))
+        size, crc = self._write_atomically(payload, final)
+        return IndexEntry(
             sample_id=sample_id,
             path=relpath,
             size=size,
             checksum=fmt.checksum_string(crc),
             num_tokens=int(num_tokens if num_tokens is not None else payload[fmt.KEY_INPUT_IDS].shape[0]),
         )
+
+    def commit(self, entries: list[IndexEntry]) -> None:
+        """Make written shards done: fsync each folder their renames changed, then append their
+        index lines with one write and one fsync. On failure every one of them is taken back
+        (unlinked: not indexed = not done, and disk and index agree); DiskFullError if the disk
+        is full."""
+        if not entries:
+            return
+        finals = [os.path.join(self.output_dir, e.path) for e in entries]
         try:
-            line = fmt.encode_index_line(fmt.index_record(entry))
+            for directory in dict.fromkeys(map(os.path.dirname, finals)):
+                os.fsync(self._ensure_dir(directory))
+            data = b"".join(fmt.encode_index_line(fmt.index_record(e)) for e in entries)
             with self._lock:
                 if self._index_fd is None:
                     self._index_fd = fmt.open_index_for_append(self.output_dir)
-                fmt.write_index_bytes(self._index_fd, line, fsync=self.fsync_index)
+                fmt.write_index_bytes(self._index_fd, data, fsync=self.fsync_index)
         except OSError as e:
-            # Not indexed = not done: take the shard back so disk and index agree.
-            fmt._unlink_quiet(final)
+            for final in finals:
+                fmt._unlink_quiet(final)
             if _is_disk_full(e):
-                raise DiskFullError(e.errno, f"disk full while indexing {sample_id!r}: {e}") from e
+                ids = ", ".join(repr(entry.sample_id) for entry in entries[:3])
+                raise DiskFullError(e.errno, f"disk full while indexing {ids}: {e}") from e
             raise
-        return entry
 
     def close(self) -> None:
         """Close the folder and index descriptors kept open (publishing again reopens them)."""
@@ -306,8 +334,8 @@ class ShardWriter:
         file costs); a seam tests use to inject write errors."""
         return open(path, "xb", buffering=0)
 
-    def _write_atomically(self, payload: dict[str, torch.Tensor], final: str, dir_fd: int) -> tuple[int, int]:
-        """temp -> write -> fsync -> rename -> fsync dir; (size, CRC32 of the file)."""
+    def _write_atomically(self, payload: dict[str, torch.Tensor], final: str) -> tuple[int, int]:
+        """temp -> write -> fsync -> rename (commit fsyncs the folder); (size, CRC32 of the file)."""
         directory, name = os.path.split(final)
         tmp = os.path.join(directory, fmt.temp_name(name))
         wrapper = _WriteErrorFile(None)  # keeps the OSError of a write through a file object
@@ -324,7 +352,6 @@ class ShardWriter:
             # After torch.save the checksum is the CRC32 of the bytes on disk, read back (page cache).
             size, crc = (encoded.size, encoded.crc) if encoded is not None else file_crc32(tmp)
             os.replace(tmp, final)
-            os.fsync(dir_fd)
         except BaseException as e:
             fmt._unlink_quiet(tmp)
             cause = wrapper.error if wrapper.error is not None else e

@@ -150,22 +150,56 @@ def test_shards_left_when_the_forward_ends_are_published_by_more_threads(
     from extraction.shards.writer import ShardWriter
 
     seen: list[tuple[bool, str]] = []
-    publish = ShardWriter.publish
+    write = ShardWriter.write
     cfg = make_cfg(tiny_model_dir, dataset, tmp_path / "out", batch_size=2)
     runner = Runner(cfg, lambda _c, _i: _SlowCopy(backend.inner))
 
     def recording(self, *a, **k):
         seen.append((runner.forward_done.is_set(), __import__("threading").current_thread().name))
         time.sleep(0.02)
-        return publish(self, *a, **k)
+        return write(self, *a, **k)
 
-    monkeypatch.setattr(ShardWriter, "publish", recording)
+    monkeypatch.setattr(ShardWriter, "write", recording)
     assert runner.run() == EXIT_OK
     assert_complete(tmp_path / "out", ids)
     during = {name for done, name in seen if not done}
     after = {name for done, name in seen if done}
     assert during == {"hsx-writer"}, seen  # the run's one writer thread
     assert len(after) >= 2 and "hsx-writer" not in after, seen
+
+
+def test_a_batch_is_indexed_with_one_write_and_a_full_disk_then_takes_the_whole_batch_back(
+    tiny_model_dir, dataset, backend, reference, tmp_path, ids, monkeypatch
+) -> None:
+    """The writer commits a batch's index lines at once (one write + fsync, not one a shard). When
+    that write finds the disk full, the batch's shards are taken back (not indexed = not done, no
+    file left), the run pauses (75), and the next run redoes them: same shards, bit for bit."""
+    from extraction.shards import writer as writer_mod
+
+    monkeypatch.setattr("extraction.runner.WRITER_THREADS", 2)
+    real = writer_mod.fmt.write_index_bytes
+    lines_per_write: list[int] = []
+
+    def counting(fd, data, fsync=True):
+        lines_per_write.append(data.count(b"\n"))
+        if len(lines_per_write) == 3:
+            raise OSError(28, "No space left on device")
+        return real(fd, data, fsync)
+
+    monkeypatch.setattr(writer_mod.fmt, "write_index_bytes", counting)
+    out = tmp_path / "out"
+    cfg = make_cfg(tiny_model_dir, dataset, out)  # batches of 4
+    assert run(cfg, _AsyncShared(backend.inner)) == EXIT_PAUSED
+    assert lines_per_write == [4, 4, 4]
+    index = fmt.load_index(str(out))
+    assert len(index) == 8
+    on_disk = {p.name for p in (out / "shards").rglob("*.pt")}
+    assert on_disk == {os.path.basename(e.path) for e in index.values()}  # the third batch taken back
+    monkeypatch.setattr(writer_mod.fmt, "write_index_bytes", real)
+    assert run(cfg, _AsyncShared(backend.inner)) == EXIT_OK
+    assert_complete(out, ids)
+    got, want = load_shards(out), load_shards(reference)
+    assert all(torch.equal(got[sid][k], v) for sid, t in want.items() for k, v in t.items())
 
 
 def test_resume_skips_done_and_redoes_a_damaged_shard(
