@@ -285,7 +285,12 @@ def main() -> None:
     ap.add_argument("--n-quick", type=int, default=10_000)
     ap.add_argument("--n-large", type=int, default=37_312)
     ap.add_argument("--full-mib", type=int, default=2048, help="bytes for full vs cat")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=fmt.default_workers(),
+        help="default: hsx verify's (cores - 1, at most 16)",
+    )
     ap.add_argument(
         "--distinct",
         type=int,
