@@ -1886,8 +1886,19 @@ def _indexed_jobs(by_path: dict[str, _Row], opened: dict[str, int]) -> list:
         fd = opened.get(rel[start:end])
         if fd is not None:
             append((row[2] if 0 < row[2] <= small else 0, rel[end + 1 :], fd, rel, row, True))
+    if "\0" in (names := "".join(by_path)) or not _encodable(names):  # a made-up index: no such file
+        jobs = [job for job in jobs if "\0" not in job[3] and _encodable(job[3])]
     jobs.sort(key=_BY_SIZE)
     return jobs
+
+
+def _encodable(name: str) -> bool:
+    """The name can be a path here (a lone surrogate in a hand-made index cannot)."""
+    try:
+        os.fsencode(name)
+    except UnicodeError:
+        return False
+    return True
 
 
 def _quick_part(kind: str, lister: _QuickWorker, opened: dict[str, int], chunks: _Chunks) -> Any:
@@ -1917,8 +1928,8 @@ def _reconcile(
             bad = {rel for rel, _, _ in p[3]}
             p[3] = [problem for problem in p[3] if problem[0] not in drop]
             judged -= bad & drop
-        parts[0][1] -= len(judged)  # passed: counted ok with their indexed size
-        parts[0][2] -= sum(lister.by_path[rel][2] for rel in judged)
+        parts[0][1] -= len(judged)  # passed: counted ok, with the bytes a quick pass counts
+        parts[0][2] -= sum(size for rel in judged if (size := lister.by_path[rel][2]) <= _SMALL_FILE)
     redo = sorted((job for job in listed if job[4] is None or not job[5]), key=_BY_SIZE)
     if redo and len(redo) >= _FORK_MIN_REDO and n > 1:
         parts += _fork_map(

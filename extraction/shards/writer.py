@@ -59,11 +59,19 @@ class _WriteErrorFile:
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
+        """All of `data` (torch.save ignores a short write's count, and the temp file is
+        unbuffered: a short write must be continued here, or bytes would go missing)."""
+        view = memoryview(data).cast("B")
         try:
-            return self.f.write(data)
+            while view:
+                n = self.f.write(view)
+                if not n:
+                    raise OSError(errno.EIO, "a write wrote nothing")
+                view = view[n:]
         except OSError as e:
             self.error = e
             raise
+        return len(data) if isinstance(data, (bytes, bytearray)) else memoryview(data).nbytes
 
     def flush(self) -> None:
         self.f.flush()

@@ -256,6 +256,35 @@ def test_forked_quick_hands_out_chunks_so_a_slow_worker_takes_fewer(tmp_path, mo
     assert takers.count(str(parent)) <= 2  # a static split would have given it half (4)
 
 
+def test_forked_quick_agrees_with_one_worker_on_big_shards_and_made_up_index_paths(tmp_path, monkeypatch):
+    """Shards over 1 MiB (a quick pass counts no bytes for them), an indexed copy under a dot-name
+    (which the listing never shows: missing), index paths with a NUL or a lone surrogate (no such
+    file can exist): workers opening what the index names agree with one worker, and do not fail."""
+    w = ShardWriter(tmp_path, manifest())
+    entries = [w.publish(f"s{i}", **tensors(20_000 + i, seed=i)) for i in range(6)]
+    assert all(e.size > fmt._SMALL_FILE for e in entries)
+    dot = "shards/" + entries[0].path.split("/")[1] + "/.hidden.pt"
+    (tmp_path / dot).write_bytes((tmp_path / entries[0].path).read_bytes())
+    made_up = [
+        {**fmt.index_record(entries[0]), "id": "dot", "path": dot},
+        {**fmt.index_record(entries[1]), "id": "nul", "path": entries[1].path[:10] + "a\0b.pt"},
+        {**fmt.index_record(entries[2]), "id": "surrogate", "path": entries[2].path[:10] + "a\ud800.pt"},
+    ]
+    fmt.append_index(str(tmp_path), made_up)
+    one = fmt.verify_output(str(tmp_path), "quick", workers=1)
+    monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
+    monkeypatch.setattr(fmt, "_LIST_ALONGSIDE", True)
+    three = fmt.verify_output(str(tmp_path), "quick", workers=3)
+    for r in (one, three):
+        assert (r.checked, r.ok, r.missing) == (6, 6, ["dot", "nul", "surrogate"]), r.to_dict()
+    assert (one.bytes, one.bad, one.unindexed, one.orphans) == (
+        three.bytes,
+        three.bad,
+        three.unindexed,
+        three.orphans,
+    )
+
+
 def test_split_by_size_keeps_each_size_in_one_share_and_balances():
     sizes = [100] * 40 + [104] * 3 + [108] * 1 + [112] * 40 + [116] * 2 + [120] * 30
     jobs = [(size, f"f{i}", None, f"r{i}", None, True) for i, size in enumerate(sorted(sizes))]

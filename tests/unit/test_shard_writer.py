@@ -290,3 +290,36 @@ def test_a_shard_opens_only_its_temp_file_once_its_folder_and_the_index_are_open
     assert set(load_index(tmp_path)) == {"first", sid, "third"}
     assert any(p.endswith(fmt.INDEX_NAME) for p in opened)
     w.close()
+
+
+def test_torch_save_fallback_continues_short_writes(tmp_path, monkeypatch):
+    """Where torch.save writes the shard (no checked layout), it ignores a short write's count:
+    the writer continues each write itself, so the file is whole (the temp file is unbuffered)."""
+    w = ShardWriter(tmp_path, manifest())
+    monkeypatch.setattr(w, "_layout", None)
+    real_open = w._open_temp
+
+    class Short:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            return self.f.write(memoryview(b)[:1000])
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+    monkeypatch.setattr(w, "_open_temp", lambda path: Short(real_open(path)))
+    t = tensors(300)
+    entry = w.publish("short", **t)
+    path = tmp_path / entry.path
+    assert entry.size == path.stat().st_size > 1000 * 10
+    data = torch.load(path, weights_only=True)
+    assert torch.equal(data["input_ids"], t["input_ids"])
+    assert fmt.check_shard(str(path), fmt.Expect.from_manifest(manifest().to_dict()), "full", entry)
