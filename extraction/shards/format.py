@@ -1253,9 +1253,8 @@ def default_workers() -> int:
 # List the folders while the forked workers check (True), before (False), or None: alongside when
 # the workers leave a core free (_quick_split).
 _LIST_ALONGSIDE: bool | None = None
-_FORK_MIN_REDO = (
-    256  # full checks after the listing (no index entry, not a regular file) forked from this many
-)
+# Full checks after the listing (no index entry, not a regular file) are forked from this many.
+_FORK_MIN_REDO = 256
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
@@ -1770,14 +1769,6 @@ def _split_by_size(jobs: list, n: int) -> list[list]:
     return shares + [[] for _ in range(n - len(shares))]
 
 
-def _check_share(lister: _QuickWorker, jobs: list) -> tuple:
-    """A forked worker of _verify_quick (or the parent's own share): check `jobs` of the lister's
-    listing; listing results (files, orphans, unindexed) are the lister's, not repeated here."""
-    worker = _QuickWorker(lister.output_dir, lister.buckets, lister.expect, lister.by_path)
-    worker._check(jobs, None)
-    return worker._result()
-
-
 _CHUNKS_PER_WORKER = 4
 _CHUNK_ID = struct.Struct("<H")
 
@@ -1863,15 +1854,20 @@ def _quick_split_listed(lister: _QuickWorker, n: int, reap: list[int]) -> list[t
         jobs = lister.list(range(len(lister.buckets)), fds)
         if jobs is None:
             return [lister._result()]
-        chunks = _Chunks(jobs, n)
-        try:
-            parts = _fork_map(_Chunks.check, [(chunks, lister)] * n, reap)
-        finally:
-            chunks.close()
+        parts = _check_in_chunks(lister, jobs, n, reap)
     finally:
         for fd in fds:
             os.close(fd)
     return [lister._result(), *parts]
+
+
+def _check_in_chunks(lister: _QuickWorker, jobs: list, n: int, reap: list[int]) -> list[tuple]:
+    """Check `jobs` in n processes (this one and n - 1 forked) taking chunks of sizes (_Chunks)."""
+    chunks = _Chunks(jobs, n)
+    try:
+        return _fork_map(_Chunks.check, [(chunks, lister)] * n, reap)
+    finally:
+        chunks.close()
 
 
 def _indexed_jobs(by_path: dict[str, _Row], opened: dict[str, int]) -> list:
@@ -1931,12 +1927,8 @@ def _reconcile(
         parts[0][1] -= len(judged)  # passed: counted ok, with the bytes a quick pass counts
         parts[0][2] -= sum(size for rel in judged if (size := lister.by_path[rel][2]) <= _SMALL_FILE)
     redo = sorted((job for job in listed if job[4] is None or not job[5]), key=_BY_SIZE)
-    if redo and len(redo) >= _FORK_MIN_REDO and n > 1:
-        parts += _fork_map(
-            _check_share, [(lister, share) for share in _split_by_size(redo, n) if share], reap
-        )
-    elif redo:
-        parts.append(list(_check_share(lister, redo)))
+    if redo:
+        parts += _check_in_chunks(lister, redo, n if len(redo) >= _FORK_MIN_REDO else 1, reap)
     return [lister._result(), *map(tuple, parts)]
 
 

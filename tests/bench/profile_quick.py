@@ -40,33 +40,25 @@ for name in ("_read_index_lines", "_index_rows", "_scan_top", "_split_by_size", 
              "_merge_quick", "_reap", "_finish", "read_manifest_dict"):
     setattr(fmt, name, timed(name, getattr(fmt, name)))
 fmt._QuickWorker.list = timed("list", fmt._QuickWorker.list)
-share = fmt._check_share
 
-def timed_share(lister, jobs):
-    s = time.perf_counter()
-    out = share(lister, jobs)
-    e = time.perf_counter()
-    line = json.dumps({"pid": os.getpid(), "start": s, "end": e, "jobs": len(jobs)}) + "\n"
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    os.write(fd, line.encode())
-    os.close(fd)
-    return out
-
-fmt._check_share = timed_share
-if hasattr(fmt, "_Chunks"):  # chunks handed out through a pipe: time each process's whole take
-    chunks_check = fmt._Chunks.check
-
-    def timed_chunks(self, lister):
+# A worker's share (older code: _check_share) or its whole take of chunks (_Chunks.check), timed
+# inside whichever process runs it and appended to the log.
+def timed_check(fn):
+    def wrapper(*a):
         s = time.perf_counter()
-        out = chunks_check(self, lister)
+        out = fn(*a)
         e = time.perf_counter()
-        line = json.dumps({"pid": os.getpid(), "start": s, "end": e, "jobs": -1}) + "\n"
+        line = json.dumps({"pid": os.getpid(), "start": s, "end": e}) + "\n"
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         os.write(fd, line.encode())
         os.close(fd)
         return out
+    return wrapper
 
-    fmt._Chunks.check = timed_chunks
+if hasattr(fmt, "_Chunks"):
+    fmt._Chunks.check = timed_check(fmt._Chunks.check)
+else:
+    fmt._check_share = timed_check(fmt._check_share)
 s = time.perf_counter()
 r = fmt.verify_output(root, "quick", workers=workers)
 t["total"] = (time.perf_counter() - s) * 1e3

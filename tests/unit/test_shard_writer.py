@@ -116,29 +116,35 @@ def test_disk_full_leaves_no_final_file_and_no_temp(tmp_path, monkeypatch):
     assert fmt.find_orphan_temps(str(tmp_path)) == [] and set(load_index(tmp_path)) == {"s000"}
 
 
+class _TempFileWrapper:
+    """A writer's temp file with `write` replaced by a subclass (to inject write failures)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.f.close()
+
+
 def test_disk_full_mid_write_removes_the_temp(tmp_path, monkeypatch):
     w = ShardWriter(tmp_path, manifest())
     real_open = w._open_temp
     temps = []
 
-    class Failing:
-        def __init__(self, f):
-            self.f, self.n = f, 0
+    class Failing(_TempFileWrapper):
+        n = 0
 
         def write(self, b):
             self.n += len(b)
             if self.n > 1000:
                 raise OSError(errno.ENOSPC, "No space left on device")
             return self.f.write(b)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            self.f.close()
 
     def opener(path):
         temps.append(path)
@@ -299,21 +305,9 @@ def test_torch_save_fallback_continues_short_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(w, "_layout", None)
     real_open = w._open_temp
 
-    class Short:
-        def __init__(self, f):
-            self.f = f
-
+    class Short(_TempFileWrapper):
         def write(self, b):
             return self.f.write(memoryview(b)[:1000])
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            self.f.close()
 
     monkeypatch.setattr(w, "_open_temp", lambda path: Short(real_open(path)))
     t = tensors(300)
