@@ -341,6 +341,25 @@ def test_all_finite(dtype) -> None:
         assert not all_finite(u) and not all_finite(u[3:]) and all_finite(u[:4])
 
 
+def test_all_finite_runs_no_torch_op() -> None:
+    """The writer threads' NaN check must not start an OpenMP team beside the forward pass's:
+    nothing but views goes through torch's dispatcher."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    t = torch.randn(300, 192).to(torch.bfloat16)
+    with Ops() as ops:
+        assert all_finite(t) and all_finite(t[5:])
+    views = {"aten.view.dtype", "aten.detach.default", "aten.slice.Tensor", "aten.alias.default"}
+    assert "aten.view.dtype" in ops.seen and set(ops.seen) <= views, ops.seen
+
+
 def test_consecutive_errors_abort(tiny_model_dir, dataset, backend, tmp_path) -> None:
     backend.fail = lambda _s: True
     logs: list[str] = []
