@@ -47,6 +47,7 @@ class ExtractConfig:
     layer_convention: str = "sglang"
     dtype: str = "bf16"
     device: str = "cpu"
+    cpu_threads: int | None = None
     max_length: int | None = None
     batch_size: int = 8
     concurrency: int = 8
@@ -73,7 +74,7 @@ class ExtractConfig:
         for name in ("batch_size", "concurrency", "num_shards", "max_consecutive_errors"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_length", "limit"):
+        for name in ("max_length", "limit", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -87,6 +88,7 @@ class ExtractConfig:
 
 _CONVERTERS: dict[str, Any] = {
     "max_length": int,
+    "cpu_threads": int,
     "batch_size": int,
     "concurrency": int,
     "reserve_bytes": parse_bytes,
@@ -110,6 +112,8 @@ _HELP = {
     "layer_convention": "numbering of explicit --layers: sglang (= HF hidden_states index) or specforge (+1)",
     "dtype": "hidden-state dtype",
     "device": "hf backend device (cpu, cuda, cuda:1)",
+    "cpu_threads": "torch threads for the forward on a CPU device; default: every core but one per writer "
+    "thread and one for the tokenizer (or OMP_NUM_THREADS when set)",
     "max_length": "truncate samples to this many tokens (recorded per sample)",
     "batch_size": "samples per forward (hf) / per round of requests (sglang)",
     "concurrency": "requests in flight (sglang)",

@@ -204,6 +204,7 @@ def main() -> int:
     ap.add_argument(
         "--writer-threads", default="0", help="runner writer threads, comma list of variants (0: auto)"
     )
+    ap.add_argument("--cpu-threads", type=int, default=0, help="the runner's --cpu-threads (0: its default)")
     ap.add_argument(
         "--tokenizer",
         default="",
@@ -232,6 +233,8 @@ def main() -> int:
             batch_size=args.batch_size,
             progress="off",
         )
+        if args.cpu_threads:
+            cfg_kw["cpu_threads"] = args.cpu_threads
         cfg = build_config({**cfg_kw, "output": str(work / "unused")})
         r0 = Runner(cfg, log=lambda _m: None)
         r0.prepare()
@@ -307,6 +310,7 @@ def main() -> int:
                     line.append(
                         f"  runner, {label[side]}: {got[side]:.2f}s; whole run() {wall:.2f}s; "
                         + ", ".join(f"{k} {v:.2f}" for k, v in tm.items() if k.endswith("_s"))
+                        + (f", forward threads {tm['forward_threads']}" if "forward_threads" in tm else "")
                     )
             for k, v in got.items():
                 sides[k].append(v)

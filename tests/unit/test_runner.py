@@ -35,6 +35,7 @@ from extraction.runner import (
     Runner,
     all_finite,
     assigned_to,
+    forward_cpu_threads,
     tokenize_ahead_batches,
 )
 from extraction.shards import format as fmt
@@ -358,6 +359,41 @@ def test_all_finite_runs_no_torch_op() -> None:
         assert all_finite(t) and all_finite(t[5:])
     views = {"aten.view.dtype", "aten.detach.default", "aten.slice.Tensor", "aten.alias.default"}
     assert "aten.view.dtype" in ops.seen and set(ops.seen) <= views, ops.seen
+
+
+@pytest.mark.parametrize(
+    ("cores", "writers", "threads"),
+    [(1, 1, 1), (2, 1, 2), (4, 1, 4), (8, 2, 8), (12, 2, 9), (16, 2, 13), (64, 2, 61)],
+)
+def test_forward_cpu_threads(cores, writers, threads) -> None:
+    assert forward_cpu_threads(cores, writers) == threads
+
+
+def test_cpu_forward_threads_set_and_restored(
+    tiny_model_dir, dataset, backend, tmp_path, monkeypatch
+) -> None:
+    """On a CPU device the forward runs on the runner's thread count (--cpu-threads, else
+    all cores but the pipeline's on a large host, else OMP_NUM_THREADS), restored afterwards."""
+    seen: list[int] = []
+    inner = backend.extract
+    backend.extract = lambda samples: seen.append(torch.get_num_threads()) or inner(samples)
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("extraction.runner.usable_cores", lambda: 16)
+    monkeypatch.setattr("extraction.runner.WRITER_THREADS", 2)
+    for out, kw, env, want in (
+        ("auto", {}, None, 13),
+        ("given", {"cpu_threads": 3}, "5", 3),
+        ("omp", {}, "1", before),
+    ):
+        if env is not None:
+            monkeypatch.setenv("OMP_NUM_THREADS", env)
+        seen.clear()
+        logs: list[str] = []
+        assert run(make_cfg(tiny_model_dir, dataset, tmp_path / out, limit=4, **kw), backend, logs) == EXIT_OK
+        assert seen and set(seen) == {want}, (out, seen)
+        assert f"forward on {want} torch threads" in "\n".join(logs)
+        assert torch.get_num_threads() == before
 
 
 def test_consecutive_errors_abort(tiny_model_dir, dataset, backend, tmp_path) -> None:
