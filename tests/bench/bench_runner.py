@@ -204,6 +204,11 @@ def main() -> int:
     ap.add_argument(
         "--writer-threads", default="0", help="runner writer threads, comma list of variants (0: auto)"
     )
+    ap.add_argument(
+        "--switch-interval",
+        default="",
+        help="comma list of Python GIL switch intervals (s) for the runner variants (0: Python's)",
+    )
     ap.add_argument("--cpu-threads", type=int, default=0, help="the runner's --cpu-threads (0: its default)")
     ap.add_argument(
         "--tokenizer",
@@ -268,13 +273,19 @@ def main() -> int:
         runner_run(cfg_kw, work / "warm", limit=max(2 * args.batch_size, args.samples // 4))
         shutil.rmtree(work / "warm")
         modes = [m for m in args.tokenizer.split(",") if m] or [None]
-        variants = {  # runner side -> (writer threads, tokenizer mode or None: the environment's)
-            f"B{w}" + (f"-{m}" if m else ""): (int(w), m)
+        switches = [float(x) for x in args.switch_interval.split(",")] if args.switch_interval else [0.0]
+        variants = {  # runner side -> (writer threads, tokenizer mode or None, GIL switch interval or 0)
+            f"B{w}" + (f"-{m}" if m else "") + (f"-si{si:g}" if si else ""): (int(w), m, si)
             for w in args.writer_threads.split(",")
             for m in modes
+            for si in switches
         }
         bkeys = list(variants)
-        label = {k: f"{w}w" + (f" {m}" if m else "") for k, (w, m) in variants.items()}
+        label = {
+            k: f"{w}w" + (f" {m}" if m else "") + (f" switch {si * 1e3:g}ms" if si else "")
+            for k, (w, m, si) in variants.items()
+        }
+        default_switch = sys.getswitchinterval()
         sides: dict[str, list[float]] = {k: [] for k in ["A", "A2", *bkeys, "C"]}
         skip = {"A2", "C"} - set(args.sides.split(","))  # not timed: reported as nan
         walls: dict[str, list[float]] = {k: [] for k in bkeys}
@@ -300,10 +311,14 @@ def main() -> int:
                 if not side.startswith("B"):
                     cpu[side].append(time.process_time() - c0)
                 else:
-                    runner_mod.WRITER_THREADS, mode = variants[side]
+                    runner_mod.WRITER_THREADS, mode, si = variants[side]
                     if mode:
                         os.environ["HSX_TOKENIZER"] = mode
-                    got[side], wall, tm = runner_run(cfg_kw, work / f"run{rnd}")
+                    sys.setswitchinterval(si or default_switch)
+                    try:
+                        got[side], wall, tm = runner_run(cfg_kw, work / f"run{rnd}")
+                    finally:
+                        sys.setswitchinterval(default_switch)
                     walls[side].append(wall)
                     cpu[side].append(tm["pipeline_end_cpu_at"] - tm["ready_cpu_at"])
                     shutil.rmtree(work / f"run{rnd}")
