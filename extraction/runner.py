@@ -803,7 +803,8 @@ class Runner:
 
     @contextlib.contextmanager
     def _forward_threads(self) -> Iterator[None]:
-        """On a CPU device, torch's threads for the forward (see forward_cpu_threads), restored after."""
+        """On a CPU device, torch's threads for the forward, restored after: --cpu-threads, else
+        OMP_NUM_THREADS's, else forward_cpu_threads' (at most the caller's setting)."""
         cfg = self.cfg
         if cfg.backend != "hf" or not cfg.device.startswith("cpu"):
             yield
@@ -813,8 +814,8 @@ class Runner:
             threads = cfg.cpu_threads
         elif os.environ.get("OMP_NUM_THREADS"):
             threads = before
-        else:
-            threads = forward_cpu_threads(usable_cores(), self.writer_threads)
+        else:  # never more than the caller's: a process forked after OpenMP ran must keep 1 thread
+            threads = min(before, forward_cpu_threads(usable_cores(), self.writer_threads))
         self.log(f"forward on {threads} torch threads ({usable_cores()} cores here)")
         self.timings["forward_threads"] = threads
         torch.set_num_threads(threads)

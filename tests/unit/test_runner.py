@@ -373,7 +373,8 @@ def test_cpu_forward_threads_set_and_restored(
     tiny_model_dir, dataset, backend, tmp_path, monkeypatch
 ) -> None:
     """On a CPU device the forward runs on the runner's thread count (--cpu-threads, else
-    all cores but the pipeline's on a large host, else OMP_NUM_THREADS), restored afterwards."""
+    OMP_NUM_THREADS's, else all cores but the pipeline's on a large host, at most the caller's),
+    restored afterwards."""
     seen: list[int] = []
     inner = backend.extract
     backend.extract = lambda samples: seen.append(torch.get_num_threads()) or inner(samples)
@@ -381,19 +382,27 @@ def test_cpu_forward_threads_set_and_restored(
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("extraction.runner.usable_cores", lambda: 16)
     monkeypatch.setattr("extraction.runner.WRITER_THREADS", 2)
-    for out, kw, env, want in (
-        ("auto", {}, None, 13),
-        ("given", {"cpu_threads": 3}, "5", 3),
-        ("omp", {}, "1", before),
-    ):
-        if env is not None:
-            monkeypatch.setenv("OMP_NUM_THREADS", env)
-        seen.clear()
-        logs: list[str] = []
-        assert run(make_cfg(tiny_model_dir, dataset, tmp_path / out, limit=4, **kw), backend, logs) == EXIT_OK
-        assert seen and set(seen) == {want}, (out, seen)
-        assert f"forward on {want} torch threads" in "\n".join(logs)
-        assert torch.get_num_threads() == before
+    try:
+        for out, kw, env, caller, want in (
+            ("auto", {}, None, 16, 13),
+            ("auto-fewer", {}, None, 1, 1),  # never more than the caller's
+            ("given", {"cpu_threads": 3}, "5", 1, 3),
+            ("omp", {}, "2", 2, 2),
+        ):
+            if env is not None:
+                monkeypatch.setenv("OMP_NUM_THREADS", env)
+            torch.set_num_threads(caller)
+            seen.clear()
+            logs: list[str] = []
+            assert (
+                run(make_cfg(tiny_model_dir, dataset, tmp_path / out, limit=4, **kw), backend, logs)
+                == EXIT_OK
+            )
+            assert seen and set(seen) == {want}, (out, seen)
+            assert f"forward on {want} torch threads" in "\n".join(logs)
+            assert torch.get_num_threads() == caller
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_consecutive_errors_abort(tiny_model_dir, dataset, backend, tmp_path) -> None:
