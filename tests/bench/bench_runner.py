@@ -24,6 +24,7 @@ ratios A/B (the target), A2/B and C/B, and the load average.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -100,6 +101,27 @@ def runner_run(cfg_kw: dict, out: Path, **extra) -> tuple[float, float, dict]:
     tm = dict(r.timings)
     tm["prepare_s"] = tm["ready_at"] - t - tm["model_load_s"]
     return tm["pipeline_end_at"] - tm["ready_at"], wall, tm
+
+
+@contextlib.contextmanager
+def null_writer(on: bool):
+    """With `on`, shards are neither written nor indexed (ShardWriter.write returns an entry at
+    once, commit does nothing): the runner's pipeline without its disk work, to tell the
+    writers' share of the gap (their GIL and CPU time) from the rest (tokenizer, queues)."""
+    if not on:
+        yield
+        return
+    write, commit = ShardWriter.write, ShardWriter.commit
+
+    def fake_write(self, sample_id, input_ids, loss_mask, hidden_state, aux_hidden_state):
+        size = hidden_state.nbytes + aux_hidden_state.nbytes
+        return fmt.IndexEntry(sample_id, "null", size, "crc32:00000000", int(input_ids.numel()))
+
+    ShardWriter.write, ShardWriter.commit = fake_write, lambda self, entries: None
+    try:
+        yield
+    finally:
+        ShardWriter.write, ShardWriter.commit = write, commit
 
 
 def disk_info(path: Path, mib: int = 256) -> str:
@@ -209,6 +231,11 @@ def main() -> int:
         default="",
         help="comma list of Python GIL switch intervals (s) for the runner variants (0: Python's)",
     )
+    ap.add_argument(
+        "--null-writer",
+        action="store_true",
+        help="also time each runner variant with a writer that writes nothing",
+    )
     ap.add_argument("--cpu-threads", type=int, default=0, help="the runner's --cpu-threads (0: its default)")
     ap.add_argument(
         "--tokenizer",
@@ -274,16 +301,26 @@ def main() -> int:
         shutil.rmtree(work / "warm")
         modes = [m for m in args.tokenizer.split(",") if m] or [None]
         switches = [float(x) for x in args.switch_interval.split(",")] if args.switch_interval else [0.0]
-        variants = {  # runner side -> (writer threads, tokenizer mode or None, GIL switch interval or 0)
-            f"B{w}" + (f"-{m}" if m else "") + (f"-si{si:g}" if si else ""): (int(w), m, si)
+        nulls = [False, True] if args.null_writer else [False]
+        variants = {  # side -> (writer threads, tokenizer mode or None, GIL switch interval or 0, null writer)
+            f"B{w}" + (f"-{m}" if m else "") + (f"-si{si:g}" if si else "") + ("-null" if null else ""): (
+                int(w),
+                m,
+                si,
+                null,
+            )
             for w in args.writer_threads.split(",")
             for m in modes
             for si in switches
+            for null in nulls
         }
         bkeys = list(variants)
         label = {
-            k: f"{w}w" + (f" {m}" if m else "") + (f" switch {si * 1e3:g}ms" if si else "")
-            for k, (w, m, si) in variants.items()
+            k: f"{w}w"
+            + (f" {m}" if m else "")
+            + (f" switch {si * 1e3:g}ms" if si else "")
+            + (" null writer" if null else "")
+            for k, (w, m, si, null) in variants.items()
         }
         default_switch = sys.getswitchinterval()
         sides: dict[str, list[float]] = {k: [] for k in ["A", "A2", *bkeys, "C"]}
@@ -311,12 +348,13 @@ def main() -> int:
                 if not side.startswith("B"):
                     cpu[side].append(time.process_time() - c0)
                 else:
-                    runner_mod.WRITER_THREADS, mode, si = variants[side]
+                    runner_mod.WRITER_THREADS, mode, si, null = variants[side]
                     if mode:
                         os.environ["HSX_TOKENIZER"] = mode
                     sys.setswitchinterval(si or default_switch)
                     try:
-                        got[side], wall, tm = runner_run(cfg_kw, work / f"run{rnd}")
+                        with null_writer(null):
+                            got[side], wall, tm = runner_run(cfg_kw, work / f"run{rnd}")
                     finally:
                         sys.setswitchinterval(default_switch)
                     walls[side].append(wall)
