@@ -294,12 +294,24 @@ def open_index_for_append(output_dir: str) -> int:
 
 def write_index_bytes(fd: int, data: bytes, fsync: bool = True) -> None:
     """Encoded index lines onto an index fd opened by open_index_for_append (O_APPEND: each
-    write lands at the end, whoever else appends), then fsync."""
+    write lands at the end), then fsync. All or nothing: when a write or the fsync fails part-way
+    (a full disk after the first of several writes), the index is cut back to where it ended,
+    so no whole line stays behind for a shard its writer then takes back."""
+    start = os.lseek(fd, 0, os.SEEK_END)
     view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-    if fsync:
-        os.fsync(fd)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+        if fsync:
+            os.fsync(fd)
+    except OSError:
+        try:
+            os.ftruncate(fd, start)
+            if fsync:
+                os.fsync(fd)
+        except OSError:
+            pass  # the error that counts is the caller's; a torn last line fails its own CRC
+        raise
 
 
 # --- run.json -------------------------------------------------------------------------------

@@ -169,6 +169,31 @@ def test_disk_full_while_indexing_takes_the_shard_back(tmp_path, monkeypatch):
     assert not (tmp_path / shard_relpath("x")).exists()
 
 
+def test_disk_full_part_way_through_a_batch_index_write_leaves_no_line_of_it(tmp_path, monkeypatch):
+    """The first write of a batch's lines lands, the second hits ENOSPC: the batch's shards are
+    taken back, and so are the lines already written (the index is cut back to where it ended)."""
+    w = ShardWriter(tmp_path, manifest())
+    w.publish("kept", **tensors(4))
+    before = (tmp_path / fmt.INDEX_NAME).read_bytes()
+    entries = [w.write(f"b{i}", **tensors(4, seed=i)) for i in range(4)]
+    real, calls = os.write, []
+
+    def half_then_full(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real(fd, bytes(data[: len(data) // 2 + 80]))  # more than one whole line
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fmt.os, "write", half_then_full)
+    with pytest.raises(DiskFullError):
+        w.commit(entries)
+    monkeypatch.undo()
+    assert len(calls) == 2
+    assert (tmp_path / fmt.INDEX_NAME).read_bytes() == before
+    assert set(load_index(tmp_path)) == {"kept"}
+    assert not any((tmp_path / e.path).exists() for e in entries)
+
+
 def test_orphan_temps_are_removed_at_startup(tmp_path):
     w, entries = make_run(tmp_path, n=2)
     bucket = (tmp_path / entries[0].path).parent
