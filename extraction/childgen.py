@@ -38,6 +38,8 @@ class ChildGenerator:
         # first (a fault, and a TLB flush across this process's threads). The cyclic GC writes to
         # every object it tracks on a full collection: frozen (left out of collections for good,
         # as the gc docs advise before a fork), the objects from before the fork stay unwritten.
+        # Thawed when the child is collected, unless this process had frozen objects itself.
+        self._thaw = gc.get_freeze_count() == 0
         gc.freeze()
         pid = os.fork()
         if pid == 0:  # the child: never returns into the caller's code
@@ -91,6 +93,8 @@ class ChildGenerator:
                 except ChildProcessError:  # collected by someone else's wait()
                     status = 0
                 self.pid = None
+                if self._thaw:
+                    gc.unfreeze()  # cycles made before the fork are collectable again
                 if os.WIFSIGNALED(status):
                     self._status = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
                 else:
