@@ -434,6 +434,14 @@ class Runner:
         self._writer_pools: dict[int, Any] = {}
         try:
             self._write_loop(work_q)
+        except BaseException as e:  # a bug, not a disk: stop the run, and never leave the forward
+            reason = f"the writer failed: {type(e).__name__}: {e}"  # thread blocked on a full queue
+            self.log(reason)
+            if self.abort is None:
+                self.abort = reason
+            self.stop_event.set()
+            while work_q.get() is not None:  # the forward thread puts None last
+                pass
         finally:
             for pool in self._writer_pools.values():
                 pool.shutdown(wait=True)
@@ -505,9 +513,10 @@ class Runner:
         except DiskFullError as e:  # the shards were taken back: not done, resume redoes them
             self._pause(e)
             return
-        except OSError as e:
+        except Exception as e:  # taken back too
+            reason = str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
             for sample, _ in written:
-                self._sample_failed(sample, f"write failed: {e}")
+                self._sample_failed(sample, f"write failed: {reason}")
             return
         for _, entry in written:
             self.reporter.add_written(entry.num_tokens, entry.size)
@@ -546,6 +555,9 @@ class Runner:
             return None
         except (ShardDataError, OSError) as e:
             self._sample_failed(sample, f"write failed: {e}")
+            return None
+        except Exception as e:  # the file was taken back: this sample failed, the run goes on
+            self._sample_failed(sample, f"write failed: {type(e).__name__}: {e}")
             return None
         finally:
             with self._guard_lock:

@@ -298,10 +298,10 @@ class ShardWriter:
                 if self._index_fd is None:
                     self._index_fd = fmt.open_index_for_append(self.output_dir)
                 fmt.write_index_bytes(self._index_fd, data, fsync=self.fsync_index)
-        except OSError as e:
+        except BaseException as e:
             for final in finals:
                 fmt._unlink_quiet(final)
-            if _is_disk_full(e):
+            if isinstance(e, OSError) and _is_disk_full(e):
                 ids = ", ".join(repr(entry.sample_id) for entry in entries[:3])
                 raise DiskFullError(e.errno, f"disk full while indexing {ids}: {e}") from e
             raise

@@ -342,6 +342,57 @@ def test_all_finite(dtype) -> None:
         assert not all_finite(u) and not all_finite(u[3:]) and all_finite(u[:4])
 
 
+def _run_unless_hung(cfg, backend, logs: list[str] | None = None, limit: float = 120) -> int | None:
+    """run() on a daemon thread: its exit code, or None when it did not end within `limit`
+    seconds (a hung runner fails the test instead of the whole suite)."""
+    import threading
+
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(run(cfg, backend, logs)), daemon=True)
+    t.start()
+    t.join(limit)
+    return got[0] if got else None
+
+
+def test_an_unexpected_error_writing_one_shard_fails_that_sample_only(
+    tiny_model_dir, dataset, backend, tmp_path, ids, monkeypatch
+) -> None:
+    from extraction.shards import ShardWriter
+
+    victim = sorted(ids)[3]
+    real = ShardWriter.write
+
+    def write(self, sample_id, *a, **k):
+        if sample_id == victim:
+            raise TypeError("boom")
+        return real(self, sample_id, *a, **k)
+
+    monkeypatch.setattr(ShardWriter, "write", write)
+    out = tmp_path / "o"
+    assert _run_unless_hung(make_cfg(tiny_model_dir, dataset, out), backend) == EXIT_FAILED
+    assert set(fmt.load_index(str(out))) == ids - {victim}
+    (err,) = [json.loads(x) for x in (out / ERRORS_NAME).read_text().splitlines()]
+    assert err["sample_id"] == victim and err["reason"] == "write failed: TypeError: boom"
+    assert fmt.find_orphan_temps(str(out)) == []
+
+
+def test_a_writer_thread_bug_ends_the_run_instead_of_hanging_it(
+    tiny_model_dir, dataset, backend, tmp_path, monkeypatch
+) -> None:
+    """The forward thread blocks on a full queue when nobody empties it: a writer that died of an
+    unexpected error must still empty it, and the run end as failed, saying why."""
+
+    def broken(self, written):
+        raise RuntimeError("bug in the bookkeeping")
+
+    monkeypatch.setattr(Runner, "_commit", broken)
+    logs: list[str] = []
+    cfg = make_cfg(tiny_model_dir, dataset, tmp_path / "o", batch_size=1)  # more batches than the queue holds
+    assert _run_unless_hung(cfg, backend, logs) == EXIT_FAILED
+    assert "the writer failed: RuntimeError: bug in the bookkeeping" in "\n".join(logs)
+    assert fmt.load_index(str(tmp_path / "o")) == {}
+
+
 def test_all_finite_runs_no_torch_op() -> None:
     """The writer threads' NaN check must not start an OpenMP team beside the forward pass's:
     nothing but views goes through torch's dispatcher."""
