@@ -193,14 +193,6 @@ def _nonfinite(states: SampleStates) -> str | None:
     return None if states.finite is None else f"{fmt.KEY_HIDDEN} or {fmt.KEY_AUX}"
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity: a container's or taskset's share, not the host's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def forward_cpu_threads(cores: int, writer_threads: int) -> int:
     """torch threads for a forward pass on the CPU: every core but one per writer thread and one
     for the tokenizer, where that leaves the forward >= 3/4 of the cores; else every core.
@@ -257,7 +249,7 @@ class Runner:
         self._errors_lock = threading.Lock()
         self.producer: threading.Thread | None = None
         self.producer_child: ChildGenerator | None = None
-        self.writer_threads = WRITER_THREADS or (1 if usable_cores() <= 4 else 2)
+        self.writer_threads = WRITER_THREADS or (1 if fmt.usable_cores() <= 4 else 2)
         self._guard_lock = threading.Lock()
         self._inflight_bytes = 0
         self.batch_q: queue.Queue = queue.Queue(
@@ -451,7 +443,7 @@ class Runner:
         threads - or of the drain's, once the forward pass is over and nothing competes."""
         threads = self.writer_threads
         if self.forward_done.is_set():
-            threads = max(threads, min(DRAIN_WRITER_THREADS, os.cpu_count() or 1))
+            threads = max(threads, min(DRAIN_WRITER_THREADS, fmt.usable_cores()))
         if threads <= 1:
             return None
         pool = self._writer_pools.get(threads)
@@ -827,8 +819,8 @@ class Runner:
         elif os.environ.get("OMP_NUM_THREADS"):
             threads = before
         else:  # never more than the caller's: a process forked after OpenMP ran must keep 1 thread
-            threads = min(before, forward_cpu_threads(usable_cores(), self.writer_threads))
-        self.log(f"forward on {threads} torch threads ({usable_cores()} cores here)")
+            threads = min(before, forward_cpu_threads(fmt.usable_cores(), self.writer_threads))
+        self.log(f"forward on {threads} torch threads ({fmt.usable_cores()} cores here)")
         self.timings["forward_threads"] = threads
         torch.set_num_threads(threads)
         try:

@@ -1250,6 +1250,14 @@ def _check_entry(entry: IndexEntry | None, size: int, num_tokens: int) -> None:
 _FORK_MIN_QUICK = 1000  # below this many files a `quick` run is faster than forking workers
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its affinity (a container's or taskset's share), not the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def default_workers() -> int:
     """Verification workers when none are asked for: every core but one (left for the listing
     that runs alongside the workers, _quick_split), at most 16; all of them on 1-2 cores.
@@ -1258,7 +1266,7 @@ def default_workers() -> int:
     first verification of 10,000 small shards took 84-108 ms (median) with 8 workers and
     78 ms with 15 (docs/benchmarks.md, "quick, fifth pass").
     """
-    cpus = os.cpu_count() or 1
+    cpus = usable_cores()
     return cpus if cpus <= 2 else min(16, cpus - 1)
 
 
@@ -1833,7 +1841,7 @@ def _quick_split(
     lister = _QuickWorker(output_dir, buckets, expect, by_path)
     opened: dict[str, int] = {}
     try:
-        alongside = _LIST_ALONGSIDE if _LIST_ALONGSIDE is not None else n < (os.cpu_count() or 1)
+        alongside = _LIST_ALONGSIDE if _LIST_ALONGSIDE is not None else n < usable_cores()
         if not alongside or len(buckets) > _MAX_DIR_FDS or not _DIR_FD:
             return _quick_split_listed(lister, n, reap)
         root = os.path.join(output_dir, SHARDS_DIR)

@@ -147,7 +147,7 @@ def test_shards_left_when_the_forward_ends_are_published_by_more_threads(
     (the tail the run waits for) go to DRAIN_WRITER_THREADS threads at once."""
     monkeypatch.setattr("extraction.runner.WRITER_THREADS", 1)
     monkeypatch.setattr("extraction.runner.DRAIN_WRITER_THREADS", 4)
-    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setattr(fmt, "usable_cores", lambda: 4)
     from extraction.shards.writer import ShardWriter
 
     seen: list[tuple[bool, str]] = []
@@ -431,7 +431,7 @@ def test_cpu_forward_threads_set_and_restored(
     backend.extract = lambda samples: seen.append(torch.get_num_threads()) or inner(samples)
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("extraction.runner.usable_cores", lambda: 16)
+    monkeypatch.setattr(fmt, "usable_cores", lambda: 16)
     monkeypatch.setattr("extraction.runner.WRITER_THREADS", 2)
     try:
         for out, kw, env, caller, want in (

@@ -598,7 +598,17 @@ def test_quick_learning_from_read_bytes_gives_check_shards_verdicts(tmp_path, mo
     assert len(r.bad) == 3 and r.ok == want[1] == 1
 
 
-@pytest.mark.parametrize("cpus,workers", [(None, 1), (1, 1), (2, 2), (4, 3), (16, 15), (17, 16), (128, 16)])
+@pytest.mark.parametrize("cpus,workers", [(1, 1), (2, 2), (4, 3), (16, 15), (17, 16), (128, 16)])
 def test_default_workers_leave_a_core_for_the_listing(monkeypatch, cpus, workers):
-    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
     assert fmt.default_workers() == workers
+
+
+def test_usable_cores_are_the_affinity_not_the_host(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {3, 5, 7})  # taskset -c 3,5,7
+    assert fmt.usable_cores() == 3 and fmt.default_workers() == 2
+    monkeypatch.delattr(os, "sched_getaffinity")  # not on Linux
+    assert fmt.usable_cores() == 64
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert fmt.usable_cores() == 1
