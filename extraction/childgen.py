@@ -38,7 +38,7 @@ class ChildGenerator:
         # first (a fault, and a TLB flush across this process's threads). The cyclic GC writes to
         # every object it tracks on a full collection: frozen (left out of collections for good,
         # as the gc docs advise before a fork), the objects from before the fork stay unwritten.
-        # Thawed when the child is collected, unless this process had frozen objects itself.
+        # Thawed by close(), unless this process had frozen objects itself.
         self._thaw = gc.get_freeze_count() == 0
         gc.freeze()
         pid = os.fork()
@@ -83,6 +83,9 @@ class ChildGenerator:
                 except ProcessLookupError:
                     pass
         self._collect()
+        if self._thaw:  # here, not when the items end: a full collection then could stall the
+            self._thaw = False  # consumer (the forward pass) mid-run
+            gc.unfreeze()  # cycles made before the fork are collectable again
 
     def _collect(self) -> str:
         """Wait for the child (once) and say how it ended."""
@@ -93,8 +96,6 @@ class ChildGenerator:
                 except ChildProcessError:  # collected by someone else's wait()
                     status = 0
                 self.pid = None
-                if self._thaw:
-                    gc.unfreeze()  # cycles made before the fork are collectable again
                 if os.WIFSIGNALED(status):
                     self._status = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
                 else:

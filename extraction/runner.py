@@ -428,12 +428,12 @@ class Runner:
             self._write_loop(work_q)
         except BaseException as e:  # a bug, not a disk: stop the run, and never leave the forward
             reason = f"the writer failed: {type(e).__name__}: {e}"  # thread blocked on a full queue
-            self.log(reason)
             if self.abort is None:
                 self.abort = reason
             self.stop_event.set()
             while work_q.get() is not None:  # the forward thread puts None last
                 pass
+            self.log(reason)
         finally:
             for pool in self._writer_pools.values():
                 pool.shutdown(wait=True)

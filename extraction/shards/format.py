@@ -296,7 +296,8 @@ def write_index_bytes(fd: int, data: bytes, fsync: bool = True) -> None:
     """Encoded index lines onto an index fd opened by open_index_for_append (O_APPEND: each
     write lands at the end), then fsync. All or nothing: when a write or the fsync fails part-way
     (a full disk after the first of several writes), the index is cut back to where it ended,
-    so no whole line stays behind for a shard its writer then takes back."""
+    so no whole line stays behind for a shard its writer then takes back - unless someone else
+    (`hsx verify --quarantine` beside a run) appended meanwhile: their lines are left alone."""
     start = os.lseek(fd, 0, os.SEEK_END)
     view = memoryview(data)
     try:
@@ -304,11 +305,12 @@ def write_index_bytes(fd: int, data: bytes, fsync: bool = True) -> None:
             view = view[os.write(fd, view) :]
         if fsync:
             os.fsync(fd)
-    except OSError:
+    except BaseException:
         try:
-            os.ftruncate(fd, start)
-            if fsync:
-                os.fsync(fd)
+            if os.fstat(fd).st_size == start + len(data) - len(view):
+                os.ftruncate(fd, start)
+                if fsync:
+                    os.fsync(fd)
         except OSError:
             pass  # the error that counts is the caller's; a torn last line fails its own CRC
         raise

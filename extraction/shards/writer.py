@@ -290,6 +290,7 @@ class ShardWriter:
         if not entries:
             return
         finals = [os.path.join(self.output_dir, e.path) for e in entries]
+        indexed = False
         try:
             for directory in dict.fromkeys(map(os.path.dirname, finals)):
                 os.fsync(self._ensure_dir(directory))
@@ -298,7 +299,10 @@ class ShardWriter:
                 if self._index_fd is None:
                     self._index_fd = fmt.open_index_for_append(self.output_dir)
                 fmt.write_index_bytes(self._index_fd, data, fsync=self.fsync_index)
+                indexed = True
         except BaseException as e:
+            if indexed:  # done and durable (an interrupt landed after it): keep them
+                raise
             for final in finals:
                 fmt._unlink_quiet(final)
             if isinstance(e, OSError) and _is_disk_full(e):

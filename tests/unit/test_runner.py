@@ -438,7 +438,7 @@ def test_cpu_forward_threads_set_and_restored(
             ("auto", {}, None, 16, 13),
             ("auto-fewer", {}, None, 1, 1),  # never more than the caller's
             ("given", {"cpu_threads": 3}, "5", 1, 3),
-            ("omp", {}, "2", 2, 2),
+            ("omp", {}, "16", 16, 16),  # the formula would give 13
         ):
             if env is not None:
                 monkeypatch.setenv("OMP_NUM_THREADS", env)

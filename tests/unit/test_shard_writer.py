@@ -194,6 +194,30 @@ def test_disk_full_part_way_through_a_batch_index_write_leaves_no_line_of_it(tmp
     assert not any((tmp_path / e.path).exists() for e in entries)
 
 
+def test_a_failed_index_write_leaves_lines_another_process_appended_meanwhile(tmp_path, monkeypatch):
+    """`hsx verify --quarantine` may append tombstones beside a run: cutting the index back then
+    would take their lines too, so it is not cut (the caller's partial line fails its own CRC)."""
+    w = ShardWriter(tmp_path, manifest())
+    w.publish("kept", **tensors(4))
+    entries = [w.write(f"b{i}", **tensors(4, seed=i)) for i in range(2)]
+    other = fmt.encode_index_line({"sample_id": "tomb", "tombstone": True})
+    real, calls = os.write, []
+
+    def partial_then_another_appender_then_full(fd, data):
+        calls.append(1)
+        if len(calls) == 1:
+            return real(fd, bytes(data[:10]))
+        with open(tmp_path / fmt.INDEX_NAME, "ab") as f:
+            f.write(other)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fmt.os, "write", partial_then_another_appender_then_full)
+    with pytest.raises(DiskFullError):
+        w.commit(entries)
+    monkeypatch.undo()
+    assert (tmp_path / fmt.INDEX_NAME).read_bytes().endswith(other)
+
+
 def test_orphan_temps_are_removed_at_startup(tmp_path):
     w, entries = make_run(tmp_path, n=2)
     bucket = (tmp_path / entries[0].path).parent
