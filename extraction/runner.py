@@ -193,6 +193,14 @@ def _nonfinite(states: SampleStates) -> str | None:
     return None if states.finite is None else f"{fmt.KEY_HIDDEN} or {fmt.KEY_AUX}"
 
 
+def _write_failed(e: Exception) -> str:
+    """errors.jsonl's reason for a shard not written: the message of a disk or data error, the
+    type too for anything else (a bug, an odd tensor)."""
+    if isinstance(e, OSError | ShardDataError):
+        return f"write failed: {e}"
+    return f"write failed: {type(e).__name__}: {e}"
+
+
 def forward_cpu_threads(cores: int, writer_threads: int) -> int:
     """torch threads for a forward pass on the CPU: every core but one per writer thread and one
     for the tokenizer, where that leaves the forward >= 3/4 of the cores; else every core.
@@ -506,9 +514,8 @@ class Runner:
             self._pause(e)
             return
         except Exception as e:  # taken back too
-            reason = str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
             for sample, _ in written:
-                self._sample_failed(sample, f"write failed: {reason}")
+                self._sample_failed(sample, _write_failed(e))
             return
         for _, entry in written:
             self.reporter.add_written(entry.num_tokens, entry.size)
@@ -545,11 +552,8 @@ class Runner:
         except DiskFullError as e:
             self._pause(e)
             return None
-        except (ShardDataError, OSError) as e:
-            self._sample_failed(sample, f"write failed: {e}")
-            return None
         except Exception as e:  # the file was taken back: this sample failed, the run goes on
-            self._sample_failed(sample, f"write failed: {type(e).__name__}: {e}")
+            self._sample_failed(sample, _write_failed(e))
             return None
         finally:
             with self._guard_lock:
@@ -814,13 +818,14 @@ class Runner:
             yield
             return
         before = torch.get_num_threads()
+        cores = fmt.usable_cores()
         if cfg.cpu_threads:
             threads = cfg.cpu_threads
         elif os.environ.get("OMP_NUM_THREADS"):
             threads = before
         else:  # never more than the caller's: a process forked after OpenMP ran must keep 1 thread
-            threads = min(before, forward_cpu_threads(fmt.usable_cores(), self.writer_threads))
-        self.log(f"forward on {threads} torch threads ({fmt.usable_cores()} cores here)")
+            threads = min(before, forward_cpu_threads(cores, self.writer_threads))
+        self.log(f"forward on {threads} torch threads ({cores} cores here)")
         self.timings["forward_threads"] = threads
         torch.set_num_threads(threads)
         try:
