@@ -40,6 +40,11 @@ class DiskLow(Exception):
             f"next shard ~{self.needed} bytes"
         )
 
+    def __reduce__(self) -> tuple:
+        """Pickled by its fields (the writer process sends it back): Exception's own pickling
+        would call DiskLow() with the empty args a dataclass leaves."""
+        return (DiskLow, (self.free, self.reserve, self.needed, self.path))
+
 
 class DiskGuard:
     """Checks before each write that free - shard >= reserve.

@@ -15,7 +15,10 @@ run writes bit-identical tensors to an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import inspect
+import itertools
 import json
 import os
 import queue
@@ -28,7 +31,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy
 import torch
 
 from extraction import layers as layer_mod
@@ -47,18 +49,18 @@ from extraction.dataset import (
     tokenizer_hash,
 )
 from extraction.diskguard import DiskGuard, DiskLow, estimate_shard_bytes
+from extraction.publisher import BatchPublisher, Item, Outcome, all_finite  # noqa: F401  (all_finite: tests)
 from extraction.shards import (
     DiskFullError,
-    IndexEntry,
     ManifestError,
     ManifestMismatchError,
     RunManifest,
-    ShardDataError,
     ShardWriter,
     read_index,
 )
 from extraction.shards import format as fmt
 from extraction.status import ERRORS_NAME, StatusReporter, StatusThread, now_iso
+from extraction.writerproc import FLAG_ABANDON, FLAG_DRAIN, Arena, WriterGone, WriterProcess, copy_into
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -80,6 +82,14 @@ WRITER_THREADS = 0
 # Once the forward pass is over nothing competes for the GIL: the shards still queued (the last
 # batch or two, which the run waits for) are published by up to this many threads at once.
 DRAIN_WRITER_THREADS = 8
+# Publish shards in a forked child process (extraction/writerproc.py) instead of threads here: its
+# system calls and Python then never take the GIL from the forward pass. For the hf backend (the
+# forward runs in this process); HSX_WRITER=thread in the environment turns it off.
+WRITER_PROCESS = True
+# The states of this many batches (at their longest) may wait for the writer process, in a shared
+# mapping: the forward pass waits for space beyond that, as it waits on the queue for a thread.
+WRITER_BUFFER_BATCHES = QUEUE_BATCHES + 2
+WRITER_BUFFER_MAX = 8 << 30
 # Tokenize in a forked child process (extraction/childgen.py) instead of a thread: its Python then
 # never takes the GIL from the forward pass. HSX_TOKENIZER=thread in the environment turns it off.
 TOKENIZER_PROCESS = True
@@ -138,6 +148,7 @@ def read_model_config(model_dir: str) -> dict[str, Any]:
             "hidden_size": int(text["hidden_size"]),
             "num_layers": int(text["num_hidden_layers"]),
             "vocab_size": int(text["vocab_size"]) if text.get("vocab_size") else None,
+            "max_positions": int(text.get("max_position_embeddings") or _UNTRUNCATED_TOKENS),
         }
     except (KeyError, TypeError, ValueError) as e:
         raise RunError(f"{path}: model config lacks {e}") from None
@@ -161,46 +172,6 @@ def _end_torn_index_line(output_dir: str) -> None:
         return
 
 
-_EXPONENT = {
-    torch.bfloat16: (torch.int16, 0x7F80),
-    torch.float16: (torch.int16, 0x7C00),
-    torch.float32: (torch.int32, 0x7F800000),
-}
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """No NaN/Inf: no element with an all-ones exponent, found by a masked max over the bits.
-
-    In NumPy, not torch: this runs on the writer threads, and a torch op there starts an OpenMP
-    team of its own (torch.get_num_threads() threads) beside the forward pass's, which then waits
-    at its barriers for cores: on a 16-core host the CPU runner ran at 0.33x of a forward-only
-    loop. NumPy's elementwise ops use one thread, and are 2-10x faster here than torch's on one."""
-    spec = _EXPONENT.get(t.dtype)
-    if spec is None or t.numel() == 0 or t.stride(-1) != 1 or t.device.type != "cpu":
-        return bool(torch.isfinite(t).all())
-    itype, mask = spec
-    bits = t.view(itype).numpy()
-    return int(numpy.bitwise_and(bits, mask).max()) != mask
-
-
-def _nonfinite(states: SampleStates) -> str | None:
-    """The name of a tensor holding NaN/Inf, or None; trusts the backend's own check if it made one."""
-    if states.finite is True:
-        return None
-    for key, t in ((fmt.KEY_HIDDEN, states.hidden_state), (fmt.KEY_AUX, states.aux_hidden_state)):
-        if not all_finite(t):
-            return key
-    return None if states.finite is None else f"{fmt.KEY_HIDDEN} or {fmt.KEY_AUX}"
-
-
-def _write_failed(e: Exception) -> str:
-    """errors.jsonl's reason for a shard not written: the message of a disk or data error, the
-    type too for anything else (a bug, an odd tensor)."""
-    if isinstance(e, OSError | ShardDataError):
-        return f"write failed: {e}"
-    return f"write failed: {type(e).__name__}: {e}"
-
-
 def forward_cpu_threads(cores: int, writer_threads: int) -> int:
     """torch threads for a forward pass on the CPU: every core but one per writer thread and one
     for the tokenizer, where that leaves the forward >= 3/4 of the cores; else every core.
@@ -211,6 +182,19 @@ def forward_cpu_threads(cores: int, writer_threads: int) -> int:
     0.68-0.82x of a forward-only loop on 2)."""
     keep = cores - writer_threads - 1
     return keep if keep >= 0.75 * cores else cores
+
+
+def writer_buffer_bytes(batch_size: int, max_tokens: int, token_bytes: int) -> int:
+    """The writer process's shared buffer: WRITER_BUFFER_BATCHES batches at their longest, at
+    least two samples at their longest (one must always fit), at most WRITER_BUFFER_MAX or an
+    eighth of the memory (it is pinned on a GPU host)."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        memory = 8 * WRITER_BUFFER_MAX
+    cap = min(WRITER_BUFFER_MAX, memory // 8)
+    sample = max_tokens * token_bytes
+    return max(2 * sample, min(cap, WRITER_BUFFER_BATCHES * batch_size * sample))
 
 
 def make_backend(cfg: ExtractConfig, layer_ids: list[int]) -> Backend:
@@ -231,6 +215,7 @@ class _Work:
     pending: set[str]
     results: list[SampleStates] = field(default_factory=list)
     ready: Callable[[], Any] | None = None  # blocks until the results' tensors are on the host
+    allocs: list[int] = field(default_factory=list)  # its blocks of the writer process's buffer
 
 
 class Runner:
@@ -258,8 +243,11 @@ class Runner:
         self.producer: threading.Thread | None = None
         self.producer_child: ChildGenerator | None = None
         self.writer_threads = WRITER_THREADS or (1 if fmt.usable_cores() <= 4 else 2)
-        self._guard_lock = threading.Lock()
-        self._inflight_bytes = 0
+        self.writer_proc: WriterProcess | None = None
+        self._allocs: list[int] = []  # writer-buffer blocks the batch in the forward has taken
+        self._in_writer: dict[int, _Work] = {}  # batch id -> batch the writer process has
+        self._in_writer_lock = threading.Lock()
+        self._host_empty_ok = False  # the backend's host buffers may come from the writer's buffer
         self.batch_q: queue.Queue = queue.Queue(
             maxsize=tokenize_ahead_batches(cfg.batch_size, cfg.max_length)
         )
@@ -425,13 +413,14 @@ class Runner:
             out.put(None)
 
     def _write(self, work_q: queue.Queue) -> None:
-        """Writer thread: disk guard, atomic publish, counters. Never touches the GPU.
+        """Writer thread: waits for each batch's copy to the host, publishes its shards
+        (BatchPublisher: disk guard, atomic publish, one index commit), counts them. Never
+        touches the GPU.
 
         With writer_threads > 1 a batch's shards are published by that many threads at once
         (the copies, the CRC and fsync release the GIL); each shard is still atomic and indexed
         after its rename, so only the order of index lines changes. After the forward pass has
         ended, the batches left are published by up to DRAIN_WRITER_THREADS threads (the drain)."""
-        self._writer_pools: dict[int, Any] = {}
         try:
             self._write_loop(work_q)
         except BaseException as e:  # a bug, not a disk: stop the run, and never leave the forward
@@ -443,122 +432,75 @@ class Runner:
                 pass
             self.log(reason)
         finally:
-            for pool in self._writer_pools.values():
-                pool.shutdown(wait=True)
+            self.publisher.close()
 
-    def _writer_pool(self) -> Any | None:
-        """Where a batch's shards go: None (this thread), or a pool of the run's writer
-        threads - or of the drain's, once the forward pass is over and nothing competes."""
-        threads = self.writer_threads
+    def _publish_threads(self) -> int:
+        """How many shards of a batch are written at once: the run's writer threads - or the
+        drain's, once the forward pass is over and nothing competes."""
         if self.forward_done.is_set():
-            threads = max(threads, min(DRAIN_WRITER_THREADS, fmt.usable_cores()))
-        if threads <= 1:
-            return None
-        pool = self._writer_pools.get(threads)
-        if pool is None:
-            from concurrent.futures import ThreadPoolExecutor
+            return max(self.writer_threads, min(DRAIN_WRITER_THREADS, fmt.usable_cores()))
+        return self.writer_threads
 
-            pool = self._writer_pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="hsx-writer")
-        return pool
+    def _stopped_writing(self) -> bool:
+        return self.abandon_event.is_set() or self.pause is not None
 
     def _write_loop(self, work_q: queue.Queue) -> None:
         while True:
             work = work_q.get()
             if work is None:
                 return
-            if self.pause is not None or self.abandon_event.is_set():
+            if self._stopped_writing():
                 continue  # drained, not written: these samples stay pending
-            t0 = time.perf_counter()
-            if work.ready is not None:
-                try:
-                    work.ready()
-                except Exception as e:  # an asynchronous device error surfaces here
-                    for sample in work.samples:
-                        if sample.sample_id in work.pending:
-                            self._sample_failed(sample, f"copy to host failed: {type(e).__name__}: {e}")
-                    continue
-            t1 = time.perf_counter()
-            self.timings["writer_wait_copy_s"] += t1 - t0
-            todo = [
-                (sample, states)
-                for sample, states in zip(work.samples, work.results, strict=True)
-                if sample.sample_id in work.pending
-            ]
-            pool = self._writer_pool()
-            if pool is None:
-                written = []
-                for sample, states in todo:
-                    if self.abandon_event.is_set() or self.pause is not None:
-                        break
-                    written.append(self._write_shard(sample, states))
-            else:  # a batch's samples in parallel; the batch is done before the next one starts
-                futures = [pool.submit(self._write_unless_stopped, s, st) for s, st in todo]
-                written = [f.result() for f in futures]
-            # One index write (and its fsync) for the batch instead of one a shard: fewer system
-            # calls (each a GIL hand-over the forward waits on) and fewer journal commits.
-            self._commit([w for w in written if w is not None])
-            self.timings["writer_publish_s"] += time.perf_counter() - t1
+            if not self._wait_ready(work):
+                continue
+            outcome = self.publisher.publish(
+                self._items(work), self._publish_threads(), self._stopped_writing
+            )
+            self._apply(work, outcome)
 
-    def _write_unless_stopped(self, sample: Sample, states: SampleStates) -> tuple[Sample, IndexEntry] | None:
-        if self.abandon_event.is_set() or self.pause is not None:
-            return None
-        return self._write_shard(sample, states)
-
-    def _commit(self, written: list[tuple[Sample, IndexEntry]]) -> None:
-        """Index a batch's written shards at once (ShardWriter.commit), then count them done."""
-        if not written:
-            return
+    def _wait_ready(self, work: _Work) -> bool:
+        """Block until the batch's states are on the host; False (its samples failed) when the
+        device reports an error there."""
+        if work.ready is None:
+            return True
+        t0 = time.perf_counter()
         try:
-            self.writer.commit([entry for _, entry in written])
-        except DiskFullError as e:  # the shards were taken back: not done, resume redoes them
-            self._pause(e)
-            return
-        except Exception as e:  # taken back too
-            for sample, _ in written:
-                self._sample_failed(sample, _write_failed(e))
-            return
-        for _, entry in written:
+            work.ready()
+        except Exception as e:  # an asynchronous device error surfaces here
+            for sample in work.samples:
+                if sample.sample_id in work.pending:
+                    self._sample_failed(sample, f"copy to host failed: {type(e).__name__}: {e}")
+            return False
+        finally:
+            self.timings["writer_wait_copy_s"] += time.perf_counter() - t0
+        return True
+
+    @staticmethod
+    def _items(work: _Work) -> list[Item]:
+        return [
+            Item(s.sample_id, s.input_ids, s.loss_mask, st.hidden_state, st.aux_hidden_state, st.finite)
+            for s, st in zip(work.samples, work.results, strict=True)
+            if s.sample_id in work.pending
+        ]
+
+    def _apply(self, work: _Work, outcome: Outcome) -> None:
+        """A published batch's outcome into the run: failed samples, the pause, the counters."""
+        self.timings["writer_publish_s"] += outcome.publish_s
+        self.guard.largest = max(self.guard.largest, outcome.largest)
+        if outcome.last_free is not None:
+            self.guard.last_free = outcome.last_free
+        if outcome.free is not None:
+            self.reporter.free_bytes = outcome.free
+        by_id = {s.sample_id: s for s in work.samples}
+        for sid, reason in outcome.failed:
+            self._sample_failed(by_id[sid], reason)
+        if outcome.pause is not None:
+            self._pause(outcome.pause)
+        for entry in outcome.written:
             self.reporter.add_written(entry.num_tokens, entry.size)
             self.reporter.free_bytes = (self.reporter.free_bytes or 0) - entry.size
             if self.bar is not None:
                 self.bar.update(1)
-
-    def _write_shard(self, sample: Sample, states: SampleStates) -> tuple[Sample, IndexEntry] | None:
-        """Disk guard, NaN check and the shard's file (ShardWriter.write); None when it was not
-        written (paused, or the sample failed: both already recorded)."""
-        n = int(sample.input_ids.numel())
-        needed = estimate_shard_bytes(n, self.manifest.hidden_size, self.manifest.num_aux, self.itemsize)
-        with self._guard_lock:  # parallel writers: count the shards still being written as used
-            try:
-                free = self.guard.check(needed)
-                if free - self._inflight_bytes - needed < self.guard.reserve:
-                    raise DiskLow(free - self._inflight_bytes, self.guard.reserve, needed, self.guard.path)
-            except DiskLow as e:
-                self._pause(e)
-                return None
-            self.reporter.free_bytes = free - self._inflight_bytes
-            self._inflight_bytes += needed
-        try:
-            bad = _nonfinite(states)
-            if bad is not None:
-                raise ShardDataError(f"sample {sample.sample_id!r}: {bad} has NaN or Inf values")
-            entry = self.writer.write(
-                sample.sample_id,
-                sample.input_ids,
-                sample.loss_mask,
-                states.hidden_state,
-                states.aux_hidden_state,
-            )
-        except DiskFullError as e:
-            self._pause(e)
-            return None
-        except Exception as e:  # the file was taken back: this sample failed, the run goes on
-            self._sample_failed(sample, _write_failed(e))
-            return None
-        finally:
-            with self._guard_lock:
-                self._inflight_bytes -= needed
-        return sample, entry
 
     def _pause(self, reason: DiskLow | DiskFullError) -> None:
         if isinstance(reason, DiskLow):
@@ -599,6 +541,8 @@ class Runner:
         states are on the host, and the writer thread calls it, so this thread goes on at once."""
         reason = ""
         extract_async = getattr(self.backend, "extract_async", None)
+        if extract_async is not None and self._host_empty_ok:  # states land in the writer's buffer
+            extract_async = functools.partial(extract_async, host_empty=self._host_empty)
         for attempt in range(self.cfg.retries + 1):
             if attempt:
                 delay = self.cfg.retry_backoff * 2 ** (attempt - 1)
@@ -626,6 +570,13 @@ class Runner:
                 raise RuntimeError(f"backend returned {r.sample_id!r} where {s.sample_id!r} was expected")
             if r.input_ids is not s.input_ids and not bool((r.input_ids.cpu() == s.input_ids).all()):
                 raise RuntimeError(f"{s.sample_id!r}: backend saw other input_ids than were sent")
+
+    def _host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Host memory for a batch's states, in the writer process's buffer (pinned on a GPU)."""
+        assert self.writer_proc is not None
+        t, offset = self.writer_proc.arena.empty(tuple(shape), dtype)
+        self._allocs.append(offset)
+        return t
 
     def _forward(self, work: _Work) -> _Work | None:
         results, ready, reason, attempts = self._try_extract(work.samples)
@@ -674,6 +625,8 @@ class Runner:
         else:
             self.log(f"{signal.Signals(signum).name} again: abandoning unwritten samples")
             self.abandon_event.set()
+            if self.writer_proc is not None:
+                self.writer_proc.arena.set_flag(FLAG_ABANDON)
 
     # ------------------------------------------------------------------ the run
 
@@ -686,7 +639,7 @@ class Runner:
             raise RunError(f"--dataset {cfg.dataset}: not a file")
         if os.path.exists(cfg.output) and not os.path.isdir(cfg.output):
             raise RunError(f"--output {cfg.output}: exists and is not a directory")
-        model_cfg = read_model_config(cfg.model)
+        model_cfg = self.model_cfg = read_model_config(cfg.model)
         try:
             self.layer_ids = layer_mod.parse_layers(cfg.layers, model_cfg["num_layers"], cfg.layer_convention)
         except layer_mod.LayerSpecError as e:
@@ -703,7 +656,7 @@ class Runner:
         self.itemsize = _ITEMSIZE[self.manifest.dtype]
         self._check_extra(self.manifest)
         try:
-            # The NaN/Inf check is the runner's (_nonfinite): on the device when the backend can.
+            # The NaN/Inf check is the publisher's (Item.nonfinite): on the device when the backend can.
             self.writer = ShardWriter(cfg.output, self.manifest, check_finite=False)
         except ManifestMismatchError as e:
             raise RunError(f"refusing to resume: {e}") from None
@@ -734,6 +687,7 @@ class Runner:
             cfg.max_length or 0, self.manifest.hidden_size, self.manifest.num_aux, self.itemsize
         )
         self.guard = DiskGuard(cfg.output, cfg.reserve_bytes, estimate)
+        self.publisher = BatchPublisher(self.writer, self.guard, self.itemsize)
         self.reporter = StatusReporter(cfg.output, len(assigned), len(self.done), self.guard.reserve)
         self.reporter.row_errors = len(self.scan.errors)
         self.reporter.extra = {
@@ -764,6 +718,7 @@ class Runner:
         status_thread = None
         # Tokenize the first batches while the model loads: the first planning window must be
         # tokenized whole before its first batch exists.
+        self._start_writer_process()  # first: no thread of this run is running yet to fork beside
         self._start_producer()
         try:
             t0 = time.perf_counter()
@@ -773,6 +728,7 @@ class Runner:
                 self.reporter.set_state("failed", f"cannot start the {cfg.backend} backend: {e}")
                 self.log(f"cannot start the {cfg.backend} backend: {e}")
                 return EXIT_FAILED
+            self._pin_writer_buffer()
             self.timings["ready_at"] = time.perf_counter()
             self.timings["ready_cpu_at"] = time.process_time()
             self.timings["model_load_s"] = self.timings["ready_at"] - t0
@@ -790,6 +746,7 @@ class Runner:
             return e.code
         finally:
             self._stop_producer()
+            self._stop_writer_process()
             if status_thread is not None:
                 status_thread.stop()
             for sig, old in handlers.items():
@@ -881,6 +838,143 @@ class Runner:
         )
         self.producer.start()
 
+    def _writer_process_wanted(self) -> bool:
+        return (
+            WRITER_PROCESS
+            and self.cfg.backend == "hf"
+            and hasattr(os, "fork")
+            and os.environ.get("HSX_WRITER") != "thread"
+        )
+
+    def _start_writer_process(self) -> None:
+        """Fork the writer process (before the model loads: the child must hold no CUDA state)
+        with its shared buffer; or leave the writer to threads here."""
+        if not self._writer_process_wanted():
+            return
+        m = self.manifest
+        size = writer_buffer_bytes(
+            self.cfg.batch_size,
+            min(self.cfg.max_length or self.model_cfg["max_positions"], self.model_cfg["max_positions"]),
+            (1 + m.num_aux) * m.hidden_size * self.itemsize,
+        )
+        arena = Arena(size)
+        threads = min(DRAIN_WRITER_THREADS, fmt.usable_cores())
+        self.writer_proc = WriterProcess(self.publisher, arena, self.writer_threads, threads)
+        self.log(
+            f"shards published by a writer process (pid {self.writer_proc.pid}, {size / 2**20:.1f} MiB buffer)"
+        )
+
+    def _pin_writer_buffer(self) -> None:
+        """On a GPU, page-lock the writer's buffer so the states are copied into it directly."""
+        wp = self.writer_proc
+        if wp is None or not self.cfg.device.startswith("cuda"):
+            return
+        extract_async = getattr(self.backend, "extract_async", None)
+        if extract_async is None or "host_empty" not in inspect.signature(extract_async).parameters:
+            return
+        t0 = time.perf_counter()
+        err = wp.arena.register_cuda()
+        self.timings["pin_s"] = time.perf_counter() - t0
+        if err is not None:
+            self.log(
+                f"cannot pin the writer's buffer ({err}): states copied into it from torch's pinned memory"
+            )
+            return
+        self._host_empty_ok = True
+
+    def _stop_writer_process(self) -> None:
+        """Collect the writer process (killed if it still runs: an error path) and unpin its
+        buffer; idempotent."""
+        wp = self.writer_proc
+        if wp is None:
+            return
+        self.writer_proc = None
+        wp.close()
+        wp.arena.close("the run has ended")
+        try:
+            wp.arena.release()
+        except Exception as e:  # a broken CUDA context: the process ends soon anyway
+            self.log(f"cannot unpin the writer's buffer: {e}")
+
+    def _free(self, allocs: list[int]) -> None:
+        if self.writer_proc is not None:
+            for offset in allocs:
+                self.writer_proc.arena.free(offset)
+
+    def _courier(self, work_q: queue.Queue) -> None:
+        """Hands the forward's batches to the writer process: waits for each batch's copy to the
+        host, puts states that are not in the shared buffer yet (CPU) there, sends the batch."""
+        wp = self.writer_proc
+        assert wp is not None
+        batch_ids = itertools.count()
+        try:
+            while True:
+                work = work_q.get()
+                if work is None:
+                    return
+                if self._stopped_writing() or not self._wait_ready(work):
+                    self._free(work.allocs)  # not written: these samples stay pending
+                    continue
+                wire = []
+                for s, st in zip(work.samples, work.results, strict=True):
+                    if s.sample_id in work.pending:
+                        wire.append(
+                            (
+                                s.sample_id,
+                                s.input_ids.numpy(),
+                                s.loss_mask.numpy(),
+                                self._shared(st.hidden_state, work),
+                                self._shared(st.aux_hidden_state, work),
+                                st.finite,
+                            )
+                        )
+                batch_id = next(batch_ids)
+                with self._in_writer_lock:
+                    self._in_writer[batch_id] = work
+                wp.submit(batch_id, wire)
+        except BaseException as e:  # never leave the forward thread blocked on a full queue
+            if not isinstance(e, WriterGone):
+                reason = f"the writer failed: {type(e).__name__}: {e}"
+                if self.abort is None:
+                    self.abort = reason
+                self.log(reason)
+            self.stop_event.set()
+            while (work := work_q.get()) is not None:
+                self._free(work.allocs)
+        finally:
+            wp.end()
+
+    def _shared(self, t: torch.Tensor, work: _Work) -> tuple[int, tuple[int, ...], str]:
+        """(offset, shape, dtype name) of a state tensor in the writer's buffer, copied there first
+        if it is not (the CPU's states, or a GPU's when the buffer could not be pinned)."""
+        assert self.writer_proc is not None
+        arena = self.writer_proc.arena
+        offset = arena.offset_of(t)
+        if offset is None:
+            offset = copy_into(arena, t)
+            work.allocs.append(offset)
+        return offset, tuple(t.shape), str(t.dtype).removeprefix("torch.")
+
+    def _collect_outcomes(self) -> None:
+        """Applies the writer process's outcomes as they come; a writer that failed or died ends
+        the run as failed, and wakes a forward pass waiting for buffer space."""
+        wp = self.writer_proc
+        assert wp is not None
+        try:
+            for batch_id, outcome in wp.outcomes():
+                with self._in_writer_lock:
+                    work = self._in_writer.pop(batch_id)
+                self._free(work.allocs)
+                self._apply(work, outcome)
+        except BaseException as e:
+            reason = str(e) if isinstance(e, WriterGone) else f"the writer failed: {type(e).__name__}: {e}"
+            if self.abort is None:
+                self.abort = reason
+            self.log(reason)
+            self.stop_event.set()
+            wp.arena.close(reason)
+            wp.kill()
+
     def _stop_producer(self) -> None:
         """Stop the tokenizer (process and thread; the thread may wait on a full queue) and join
         it; idempotent."""
@@ -904,8 +998,15 @@ class Runner:
     def _pipeline(self) -> None:
         batch_q = self.batch_q
         write_q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
-        writer = threading.Thread(target=self._write, args=(write_q,), name="hsx-writer", daemon=True)
-        writer.start()
+        if self.writer_proc is not None:
+            writers = [
+                threading.Thread(target=self._courier, args=(write_q,), name="hsx-courier", daemon=True),
+                threading.Thread(target=self._collect_outcomes, name="hsx-outcomes", daemon=True),
+            ]
+        else:
+            writers = [threading.Thread(target=self._write, args=(write_q,), name="hsx-writer", daemon=True)]
+        for writer in writers:
+            writer.start()
         tm = self.timings
         last_bar = 0.0
         try:
@@ -919,7 +1020,11 @@ class Runner:
                 done = self._forward(work)
                 t2 = time.perf_counter()
                 tm["forward_s"] += t2 - t1
-                if done is not None:
+                allocs, self._allocs = self._allocs, []
+                if done is None:
+                    self._free(allocs)
+                else:
+                    done.allocs = allocs
                     write_q.put(done)
                     tm["forward_wait_writer_s"] += time.perf_counter() - t2
                 if self.bar is not None and time.monotonic() - last_bar > 1:
@@ -929,10 +1034,13 @@ class Runner:
         finally:
             t0 = time.perf_counter()
             self.forward_done.set()
+            if self.writer_proc is not None:
+                self.writer_proc.arena.set_flag(FLAG_DRAIN)
             self._stop_producer()
             write_q.put(None)
-            while writer.is_alive():
-                writer.join(timeout=0.5)
+            for writer in writers:
+                while writer.is_alive():
+                    writer.join(timeout=0.5)
             tm["pipeline_end_at"] = time.perf_counter()
             tm["pipeline_end_cpu_at"] = time.process_time()
             tm["drain_s"] = tm["pipeline_end_at"] - t0

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -177,14 +178,20 @@ class HFBackend:
         return hs[-1], aux, lengths
 
     @torch.inference_mode()
-    def extract_async(self, samples: list[Sample]) -> PendingStates:
+    def extract_async(
+        self,
+        samples: list[Sample],
+        host_empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+    ) -> PendingStates:
         """Queue the forward and the copy to the host; the states are valid after `.wait()`.
 
         On CUDA the batch's states land in pinned host memory by non-blocking copies on a copy
         stream of their own, followed by an event: this thread returns at once and queues the next
         batch, whose kernels run while the copy engine moves this one (on the compute stream the
         copy held the next forward back ~5 ms per batch of 268 MB). Whoever writes the shards
-        waits on the event. Each sample's states are views of the batch buffer.
+        waits on the event. Each sample's states are views of the batch buffer. `host_empty(shape,
+        dtype)` gives that buffer when the caller has pinned memory of its own (the runner's writer
+        process reads the states from a shared mapping); torch's pinned memory otherwise.
         """
         if not samples:
             return PendingStates([], None)
@@ -193,8 +200,12 @@ class HFBackend:
         if self.device.type == "cuda":
             # The NaN/Inf check costs nothing here and ~10 ms a sample on the host in bf16.
             dev_finite = torch.isfinite(final).all(-1) & torch.isfinite(aux).all(-1)
-            host_final = torch.empty(final.shape, dtype=final.dtype, pin_memory=True)
-            host_aux = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
+            if host_empty is not None:
+                host_final = host_empty(tuple(final.shape), final.dtype)
+                host_aux = host_empty(tuple(aux.shape), aux.dtype)
+            else:
+                host_final = torch.empty(final.shape, dtype=final.dtype, pin_memory=True)
+                host_aux = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
             finite = torch.empty(dev_finite.shape, dtype=torch.bool, pin_memory=True)
             copy_stream = self._copy_stream()
             copy_stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -244,6 +244,12 @@ def main() -> int:
         "default: the environment's",
     )
     ap.add_argument(
+        "--writer",
+        default="",
+        help="writer variants of the runner, comma list of HSX_WRITER values (process, thread); "
+        "default: the environment's",
+    )
+    ap.add_argument(
         "--sides", default="A,A2,B,C", help="which sides to time, e.g. A,B (B: the runner variants)"
     )
     args = ap.parse_args()
@@ -302,17 +308,19 @@ def main() -> int:
         modes = [m for m in args.tokenizer.split(",") if m] or [None]
         switches = [float(x) for x in args.switch_interval.split(",")] if args.switch_interval else [0.0]
         nulls = [False, True] if args.null_writer else [False]
-        variants = {  # side -> (writer threads, tokenizer mode or None, GIL switch interval or 0, null writer)
-            f"B{w}" + (f"-{m}" if m else "") + (f"-si{si:g}" if si else "") + ("-null" if null else ""): (
-                int(w),
-                m,
-                si,
-                null,
-            )
+        writers = [x for x in args.writer.split(",") if x] or [None]
+        # side -> (writer threads, tokenizer mode or None, GIL switch interval or 0, null writer, writer mode)
+        variants = {
+            f"B{w}"
+            + (f"-{m}" if m else "")
+            + (f"-si{si:g}" if si else "")
+            + ("-null" if null else "")
+            + (f"-w{wm}" if wm else ""): (int(w), m, si, null, wm)
             for w in args.writer_threads.split(",")
             for m in modes
             for si in switches
             for null in nulls
+            for wm in writers
         }
         bkeys = list(variants)
         label = {
@@ -320,7 +328,8 @@ def main() -> int:
             + (f" {m}" if m else "")
             + (f" switch {si * 1e3:g}ms" if si else "")
             + (" null writer" if null else "")
-            for k, (w, m, si, null) in variants.items()
+            + (f" writer-{wm}" if wm else "")
+            for k, (w, m, si, null, wm) in variants.items()
         }
         default_switch = sys.getswitchinterval()
         sides: dict[str, list[float]] = {k: [] for k in ["A", "A2", *bkeys, "C"]}
@@ -348,9 +357,11 @@ def main() -> int:
                 if not side.startswith("B"):
                     cpu[side].append(time.process_time() - c0)
                 else:
-                    runner_mod.WRITER_THREADS, mode, si, null = variants[side]
+                    runner_mod.WRITER_THREADS, mode, si, null, wmode = variants[side]
                     if mode:
                         os.environ["HSX_TOKENIZER"] = mode
+                    if wmode:
+                        os.environ["HSX_WRITER"] = wmode
                     sys.setswitchinterval(si or default_switch)
                     try:
                         with null_writer(null):

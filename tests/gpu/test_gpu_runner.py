@@ -4,8 +4,9 @@
 
 - `HFBackend.extract_async` (pinned host buffers, non-blocking copies, an event, the NaN/Inf check
   on the device) gives the same bits as the blocking `extract`, and flags non-finite states;
-- `hsx extract` on CUDA with parallel writers writes the same shards, bit for bit, as the blocking
-  path with one writer, and every shard passes `deep`.
+- `hsx extract` on CUDA with parallel writer threads, or with its writer process (states copied
+  from the device straight into its pinned shared buffer), writes the same shards, bit for bit,
+  as the blocking path with one writer thread, and every shard passes `deep`.
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ class _Blocking:
         self.inner.close()
 
 
-def test_runner_on_cuda_parallel_writers_same_shards(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_runner_on_cuda_parallel_writers_same_shards(
+    model_dir: Path, tmp_path: Path, monkeypatch, writer: str
+) -> None:
     ds = write_tiny_dataset(tmp_path / "d.jsonl", 60, seed=3)
     kw = dict(
         model=str(model_dir),
@@ -101,6 +105,7 @@ def test_runner_on_cuda_parallel_writers_same_shards(model_dir: Path, tmp_path: 
         progress="off",
     )
     monkeypatch.setattr("extraction.runner.WRITER_THREADS", 1)
+    monkeypatch.setenv("HSX_WRITER", "thread")
     ref = tmp_path / "ref"
     r = Runner(
         build_config({**kw, "output": str(ref)}),
@@ -109,8 +114,13 @@ def test_runner_on_cuda_parallel_writers_same_shards(model_dir: Path, tmp_path: 
     )
     assert r.run() == EXIT_OK
     monkeypatch.setattr("extraction.runner.WRITER_THREADS", 4)
+    monkeypatch.setenv("HSX_WRITER", writer)
     out = tmp_path / "out"
-    assert Runner(build_config({**kw, "output": str(out)}), log=lambda _m: None).run() == EXIT_OK
+    logs: list[str] = []
+    r = Runner(build_config({**kw, "output": str(out)}), log=logs.append)
+    assert r.run() == EXIT_OK
+    # the writer process's buffer was pinned, and the states copied into it directly
+    assert ("pin_s" in r.timings) == (writer == "process"), logs
     want, got = fmt.load_index(str(ref)), fmt.load_index(str(out))
     assert set(want) == set(got) and len(got) == 60
     for sid, entry in want.items():

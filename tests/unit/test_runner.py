@@ -144,7 +144,9 @@ def test_shards_left_when_the_forward_ends_are_published_by_more_threads(
     tiny_model_dir, dataset, backend, tmp_path, ids, monkeypatch
 ) -> None:
     """The drain: while the forward runs, one writer; the batches still queued when it has ended
-    (the tail the run waits for) go to DRAIN_WRITER_THREADS threads at once."""
+    (the tail the run waits for) go to DRAIN_WRITER_THREADS threads at once. (Writer threads:
+    the writer process's own are seen in test_writer_process.)"""
+    monkeypatch.setenv("HSX_WRITER", "thread")
     monkeypatch.setattr("extraction.runner.WRITER_THREADS", 1)
     monkeypatch.setattr("extraction.runner.DRAIN_WRITER_THREADS", 4)
     monkeypatch.setattr(fmt, "usable_cores", lambda: 4)
@@ -169,21 +171,24 @@ def test_shards_left_when_the_forward_ends_are_published_by_more_threads(
     assert len(after) >= 2 and "hsx-writer" not in after, seen
 
 
+@pytest.mark.parametrize("writer", ["thread", "process"])
 def test_a_batch_is_indexed_with_one_write_and_a_full_disk_then_takes_the_whole_batch_back(
-    tiny_model_dir, dataset, backend, reference, tmp_path, ids, monkeypatch
+    tiny_model_dir, dataset, backend, reference, tmp_path, ids, monkeypatch, writer
 ) -> None:
     """The writer commits a batch's index lines at once (one write + fsync, not one a shard). When
     that write finds the disk full, the batch's shards are taken back (not indexed = not done, no
     file left), the run pauses (75), and the next run redoes them: same shards, bit for bit."""
     from extraction.shards import writer as writer_mod
 
+    monkeypatch.setenv("HSX_WRITER", writer)
     monkeypatch.setattr("extraction.runner.WRITER_THREADS", 2)
     real = writer_mod.fmt.write_index_bytes
-    lines_per_write: list[int] = []
+    log = tmp_path / "index-writes"  # a file: the writer process's calls are seen here too
 
     def counting(fd, data, fsync=True):
-        lines_per_write.append(data.count(b"\n"))
-        if len(lines_per_write) == 3:
+        with open(log, "a") as f:
+            f.write(str(data.count(b"\n")) + "\n")
+        if len(log.read_text().split()) == 3:
             raise OSError(28, "No space left on device")
         return real(fd, data, fsync)
 
@@ -191,7 +196,7 @@ def test_a_batch_is_indexed_with_one_write_and_a_full_disk_then_takes_the_whole_
     out = tmp_path / "out"
     cfg = make_cfg(tiny_model_dir, dataset, out)  # batches of 4
     assert run(cfg, _AsyncShared(backend.inner)) == EXIT_PAUSED
-    assert lines_per_write == [4, 4, 4]
+    assert log.read_text().split() == ["4", "4", "4"]
     index = fmt.load_index(str(out))
     assert len(index) == 8
     on_disk = {p.name for p in (out / "shards").rglob("*.pt")}
@@ -376,21 +381,26 @@ def test_an_unexpected_error_writing_one_shard_fails_that_sample_only(
     assert fmt.find_orphan_temps(str(out)) == []
 
 
-def test_a_writer_thread_bug_ends_the_run_instead_of_hanging_it(
-    tiny_model_dir, dataset, backend, tmp_path, monkeypatch
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_writer_bug_ends_the_run_instead_of_hanging_it(
+    tiny_model_dir, dataset, backend, tmp_path, monkeypatch, writer
 ) -> None:
     """The forward thread blocks on a full queue when nobody empties it: a writer that died of an
     unexpected error must still empty it, and the run end as failed, saying why."""
+    monkeypatch.setenv("HSX_WRITER", writer)
 
-    def broken(self, written):
+    def broken(self, work, outcome):
         raise RuntimeError("bug in the bookkeeping")
 
-    monkeypatch.setattr(Runner, "_commit", broken)
+    monkeypatch.setattr(Runner, "_apply", broken)
     logs: list[str] = []
     cfg = make_cfg(tiny_model_dir, dataset, tmp_path / "o", batch_size=1)  # more batches than the queue holds
     assert _run_unless_hung(cfg, backend, logs) == EXIT_FAILED
     assert "the writer failed: RuntimeError: bug in the bookkeeping" in "\n".join(logs)
-    assert fmt.load_index(str(tmp_path / "o")) == {}
+    index = fmt.load_index(str(tmp_path / "o"))  # indexed before the bookkeeping failed: done
+    assert len(index) == 1 if writer == "thread" else 1 <= len(index) < N  # the process runs ahead
+    r = verify_output(str(tmp_path / "o"), "deep")
+    assert r.exit_code == 0 and r.ok == len(index)
 
 
 def test_all_finite_runs_no_torch_op() -> None:

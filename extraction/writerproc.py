@@ -1,0 +1,368 @@
+"""The shard writer in a process of its own, fed through a shared anonymous mapping.
+
+Why: a writer thread shares the GIL with the forward pass. Every system call it makes (write,
+fsync, rename, statvfs) releases the GIL, and taking it back means waiting for the forward
+thread, whose Python dispatch is what bounds a forward pass (every op on the CPU; the MoE layers
+on the GPU): each hand-over takes time from it. Even a writer that wrote nothing cost the CPU
+runner 11-16% (docs/benchmarks.md). A child process has a GIL of its own.
+
+How: the child is forked before the model loads (so it never holds CUDA state). The states
+travel through an `Arena`, an anonymous shared mapping made before the fork (MAP_SHARED |
+MAP_ANONYMOUS: both processes see the same pages; no /dev/shm to fill or clean up). On a GPU the
+arena is registered as pinned memory, and each batch's copy to the host lands in it directly;
+on the CPU the states are copied in. A small message per batch (ids, tokens, where each tensor
+lies) goes down a pipe; the child publishes the batch with the same BatchPublisher a writer
+thread uses and sends back its Outcome; then the batch's space is reused. The run's bookkeeping
+(counters, errors.jsonl, the pause, status.json) stays in this process.
+
+The child ignores SIGINT and SIGTERM (the runner decides when it stops, as for the tokenizer),
+and dies with this process (PR_SET_PDEATHSIG): a kill -9 of the runner leaves no writer behind
+to race a resumed run; what it had published is complete and indexed, what it had not is not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import gc
+import mmap
+import os
+import pickle
+import signal
+import struct
+import threading
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy
+import torch
+
+from extraction.publisher import BatchPublisher, Item, Outcome
+
+HEADER = 4096  # the arena's first page: flags the child reads before each shard
+ALIGN = 256
+FLAG_ABANDON = 0  # a second signal: publish nothing more
+FLAG_DRAIN = 1  # the forward pass has ended: more writer threads
+_FRAME = struct.Struct("<Q")
+_PIPE_BYTES = 1 << 20  # a batch's tokens in one pipe write (Linux's unprivileged maximum)
+_PR_SET_PDEATHSIG = 1
+
+
+class WriterGone(RuntimeError):
+    """The writer process has failed or ended: no space will be freed any more."""
+
+
+class Arena:
+    """A shared anonymous mapping with a ring allocator: batches are allocated in order and
+    freed (about) in order, as the child finishes them."""
+
+    def __init__(self, nbytes: int):
+        self.capacity = -(-max(nbytes, ALIGN) // ALIGN) * ALIGN
+        self.size = HEADER + self.capacity
+        self.mm = mmap.mmap(-1, self.size)  # MAP_SHARED | MAP_ANONYMOUS on Linux
+        self.whole = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.address = self.whole.data_ptr()
+        self._blocks: deque[list[int]] = deque()  # [offset, size, freed], in allocation order
+        self._index: dict[int, list[int]] = {}
+        self._cond = threading.Condition()
+        self._closed: str | None = None
+        self.registered = False
+
+    # -- allocation (this process) ---------------------------------------------------------
+    def alloc(self, nbytes: int) -> int:
+        """The offset of `nbytes` free bytes, waiting for the child to free some if need be."""
+        n = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        if n > self.capacity:
+            raise ValueError(f"{nbytes} bytes do not fit the writer's buffer of {self.capacity} bytes")
+        with self._cond:
+            while True:
+                if self._closed is not None:
+                    raise WriterGone(self._closed)
+                at = self._place(n)
+                if at is not None:
+                    block = [at, n, 0]
+                    self._blocks.append(block)
+                    self._index[at] = block
+                    return at
+                self._cond.wait()
+
+    def _place(self, n: int) -> int | None:
+        if not self._blocks:
+            return HEADER
+        first = self._blocks[0][0]
+        end = self._blocks[-1][0] + self._blocks[-1][1]
+        if end > first:  # not wrapped: after the newest block, else from the start
+            if end + n <= self.size:
+                return end
+            return HEADER if HEADER + n <= first else None
+        return end if end + n <= first else None
+
+    def free(self, offset: int) -> None:
+        with self._cond:
+            block = self._index.pop(offset, None)
+            if block is None:
+                return
+            block[2] = 1
+            while self._blocks and self._blocks[0][2]:
+                self._blocks.popleft()
+            self._cond.notify_all()
+
+    def in_use(self) -> int:
+        with self._cond:
+            return sum(b[1] for b in self._blocks)
+
+    def close(self, reason: str) -> None:
+        """No more frees will come: wake anyone waiting for space (they raise WriterGone)."""
+        with self._cond:
+            if self._closed is None:
+                self._closed = reason
+            self._cond.notify_all()
+
+    # -- views (both processes) ------------------------------------------------------------
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self.whole[offset : offset + numel * itemsize].view(dtype).view(shape)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """A tensor of the arena (allocated here, freed with `free(offset)`) and its offset."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        offset = self.alloc(numel * torch.empty((), dtype=dtype).element_size())
+        return self.tensor(offset, dtype, tuple(shape)), offset
+
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """Where a contiguous CPU tensor lies in the arena, or None if it is not in it."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        start = t.data_ptr() - self.address
+        if HEADER <= start and start + t.numel() * t.element_size() <= self.size:
+            return start
+        return None
+
+    def set_flag(self, which: int) -> None:
+        self.mm[which] = 1
+
+    def flag(self, which: int) -> bool:
+        return self.mm[which] != 0
+
+    # -- pinning (this process, after CUDA is up) ------------------------------------------
+    def register_cuda(self) -> str | None:
+        """Page-lock the arena for CUDA (cudaHostRegister), so copies from the device land in it
+        without a staging buffer and without blocking; the error's text if that failed."""
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(self.address + HEADER, self.capacity, 0)
+        except Exception as e:  # no CUDA runtime binding in this torch
+            return f"{type(e).__name__}: {e}"
+        code = int(getattr(err, "value", err))
+        if code != 0:
+            return f"cudaHostRegister error {code}"
+        self.registered = True
+        return None
+
+    def release(self) -> None:
+        """Unpin; the mapping goes when its last view does."""
+        if self.registered:
+            self.registered = False
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.address + HEADER)
+
+
+def copy_into(arena: Arena, t: torch.Tensor) -> int:
+    """Copy a CPU tensor into a new block of the arena; its offset. NumPy, one thread, GIL
+    released for large copies (a torch copy here would start an OpenMP team beside the
+    forward's)."""
+    src = t.contiguous()
+    nbytes = src.numel() * src.element_size()
+    offset = arena.alloc(nbytes)
+    if nbytes:
+        dst = arena.whole[offset : offset + nbytes].numpy()
+        numpy.copyto(dst, src.reshape(-1).view(torch.uint8).numpy())
+    return offset
+
+
+def _send(fd: int, message: Any) -> None:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_FRAME.pack(len(payload)) + payload)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _receive(f: Any) -> Any:
+    """The next message, or None at the end of the pipe (the other side has gone)."""
+    head = f.read(_FRAME.size)
+    if len(head) < _FRAME.size:
+        return None
+    (n,) = _FRAME.unpack(head)
+    payload = f.read(n)
+    if len(payload) < n:
+        return None
+    return pickle.loads(payload)
+
+
+def _widen(fd: int) -> None:
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except (OSError, AttributeError):  # a smaller limit here: the writes just wait more often
+        pass
+
+
+class WriterProcess:
+    """The forked writer: `submit` batches, read `outcomes()`, then `end()` and `wait()`."""
+
+    def __init__(self, publisher: BatchPublisher, arena: Arena, threads: int, drain_threads: int):
+        self.arena = arena
+        cmd_r, cmd_w = os.pipe()
+        res_r, res_w = os.pipe()
+        _widen(cmd_w)
+        # As for the tokenizer (childgen.py): a full collection here would write to every object
+        # from before the fork and so copy each page still shared with the child. Thawed by close().
+        self._thaw = gc.get_freeze_count() == 0
+        gc.freeze()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the caller's code
+            os.close(cmd_w)
+            os.close(res_r)
+            _child(publisher, arena, cmd_r, res_w, threads, drain_threads)
+        os.close(cmd_r)
+        os.close(res_w)
+        self.pid: int | None = pid
+        self._cmd = cmd_w
+        self._results = os.fdopen(res_r, "rb")
+        self._lock = threading.Lock()
+        self._status = ""
+
+    def submit(self, batch_id: int, items: list[tuple[Any, ...]]) -> None:
+        """Send a batch: (sample id, input_ids, loss_mask, hidden (offset, shape, dtype), aux
+        (offset, shape, dtype), finite) per sample, the arrays as NumPy."""
+        try:
+            _send(self._cmd, ("batch", batch_id, items))
+        except BrokenPipeError:
+            raise WriterGone(f"the writer process has gone ({self.wait()})") from None
+
+    def end(self) -> None:
+        """No more batches: the child finishes what it has, says goodbye and exits."""
+        try:
+            _send(self._cmd, ("end",))
+        except OSError:
+            pass
+        finally:
+            os.close(self._cmd)
+            self._cmd = -1
+
+    def outcomes(self) -> Iterator[tuple[int, Outcome]]:
+        """(batch id, outcome) as the child sends them, until its goodbye; WriterGone if it
+        failed or died first."""
+        while True:
+            msg = _receive(self._results)
+            if msg is None:
+                raise WriterGone(f"the writer process ended without finishing ({self.wait()})")
+            if msg[0] == "done":
+                yield msg[1], msg[2]
+            elif msg[0] == "failed":
+                raise WriterGone(f"the writer process failed: {msg[1]}")
+            else:  # "bye"
+                return
+
+    def kill(self) -> None:
+        with self._lock:
+            if self.pid is not None:
+                try:
+                    os.kill(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def wait(self) -> str:
+        """Collect the child (once) and say how it ended."""
+        with self._lock:
+            if self.pid is not None:
+                try:
+                    _, status = os.waitpid(self.pid, 0)
+                except ChildProcessError:
+                    status = 0
+                self.pid = None
+                if os.WIFSIGNALED(status):
+                    self._status = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+                else:
+                    self._status = f"exit status {os.WEXITSTATUS(status)}"
+            return self._status
+
+    def close(self) -> None:
+        """Kill the child if it still runs (an error path), collect it, close the pipes."""
+        self.kill()
+        self.wait()
+        if self._cmd >= 0:
+            os.close(self._cmd)
+            self._cmd = -1
+        self._results.close()
+        if self._thaw:
+            self._thaw = False
+            gc.unfreeze()
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _child(publisher: BatchPublisher, arena: Arena, cmd_r: int, res_w: int, threads: int, drain: int) -> None:
+    code = 0
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _die_with_parent()
+        if os.getppid() == 1:  # the parent died before the line above
+            os._exit(1)
+        torch.set_num_threads(1)  # no torch op here needs a team (and OpenMP is not fork-safe)
+        try:
+            _serve(publisher, arena, os.fdopen(cmd_r, "rb"), res_w, threads, drain)
+        except BrokenPipeError:
+            code = 1
+        except BaseException as e:  # a bug: told to the parent, which ends the run as failed
+            _send(res_w, ("failed", f"{type(e).__name__}: {e}"))
+            code = 1
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _serve(
+    publisher: BatchPublisher, arena: Arena, commands: Any, res_w: int, threads: int, drain: int
+) -> None:
+    def stopped() -> bool:
+        return arena.flag(FLAG_ABANDON)
+
+    try:
+        while True:
+            msg = _receive(commands)
+            if msg is None:  # the parent has gone
+                return
+            if msg[0] == "end":
+                _send(res_w, ("bye",))
+                return
+            _, batch_id, wire = msg
+            items = [
+                Item(
+                    sid,
+                    torch.from_numpy(ids),
+                    torch.from_numpy(mask),
+                    arena.tensor(h[0], getattr(torch, h[2]), h[1]),
+                    arena.tensor(a[0], getattr(torch, a[2]), a[1]),
+                    finite,
+                )
+                for sid, ids, mask, h, a, finite in wire
+            ]
+            n = max(threads, drain) if arena.flag(FLAG_DRAIN) else threads
+            outcome = Outcome() if stopped() else publisher.publish(items, n, stopped)
+            del items  # views of the arena: the parent reuses the space once it has the outcome
+            _send(res_w, ("done", batch_id, outcome))
+    finally:
+        publisher.close()
