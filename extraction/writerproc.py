@@ -47,6 +47,12 @@ FLAG_DRAIN = 1  # the forward pass has ended: more writer threads
 _FRAME = struct.Struct("<Q")
 _PIPE_BYTES = 1 << 20  # a batch's tokens in one pipe write (Linux's unprivileged maximum)
 _PR_SET_PDEATHSIG = 1
+_in_writer = False
+
+
+def in_writer_process() -> bool:
+    """True in the writer process (the crash tests time their kills by its system calls)."""
+    return _in_writer
 
 
 class WriterGone(RuntimeError):
@@ -313,6 +319,8 @@ def _die_with_parent() -> None:
 
 
 def _child(publisher: BatchPublisher, arena: Arena, cmd_r: int, res_w: int, threads: int, drain: int) -> None:
+    global _in_writer
+    _in_writer = True
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)

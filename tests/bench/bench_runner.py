@@ -89,10 +89,29 @@ def sync_save_loop(backend: HFBackend, batches, out: Path, device: str) -> float
     return time.perf_counter() - t
 
 
-def runner_run(cfg_kw: dict, out: Path, **extra) -> tuple[float, float, dict]:
+class _Kept:
+    """The bench's own loaded backend handed to the runner (close() keeps it): a warm model, as
+    forward-only has, instead of the one the runner loads itself."""
+
+    def __init__(self, inner: HFBackend):
+        self.inner, self.name = inner, "hf"
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def close(self) -> None:
+        pass
+
+
+def runner_run(
+    cfg_kw: dict, out: Path, backend: HFBackend | None = None, **extra
+) -> tuple[float, float, dict]:
     """(model-ready -> last shard indexed, whole run() wall, the runner's timings)."""
     cfg = build_config({**cfg_kw, **extra, "output": str(out)})
-    r = Runner(cfg, log=lambda _m: None)  # the real backend factory: loads the model itself
+    if backend is None:  # the real backend factory: loads the model itself
+        r = Runner(cfg, log=lambda _m: None)
+    else:
+        r = Runner(cfg, backend_factory=lambda _c, _ids: _Kept(backend), log=lambda _m: None)
     t = time.perf_counter()
     code = r.run()
     wall = time.perf_counter() - t
@@ -250,6 +269,12 @@ def main() -> int:
         "default: the environment's",
     )
     ap.add_argument(
+        "--model",
+        default="own",
+        help="comma list: own (the runner loads its model, as the CLI does), kept (the bench's "
+        "loaded model, warm like forward-only's)",
+    )
+    ap.add_argument(
         "--sides", default="A,A2,B,C", help="which sides to time, e.g. A,B (B: the runner variants)"
     )
     args = ap.parse_args()
@@ -309,18 +334,22 @@ def main() -> int:
         switches = [float(x) for x in args.switch_interval.split(",")] if args.switch_interval else [0.0]
         nulls = [False, True] if args.null_writer else [False]
         writers = [x for x in args.writer.split(",") if x] or [None]
-        # side -> (writer threads, tokenizer mode or None, GIL switch interval or 0, null writer, writer mode)
+        models = args.model.split(",")
+        # side -> (writer threads, tokenizer mode or None, GIL switch interval or 0, null writer,
+        # writer mode, model)
         variants = {
             f"B{w}"
             + (f"-{m}" if m else "")
             + (f"-si{si:g}" if si else "")
             + ("-null" if null else "")
-            + (f"-w{wm}" if wm else ""): (int(w), m, si, null, wm)
+            + (f"-w{wm}" if wm else "")
+            + ("-kept" if mo == "kept" else ""): (int(w), m, si, null, wm, mo)
             for w in args.writer_threads.split(",")
             for m in modes
             for si in switches
             for null in nulls
             for wm in writers
+            for mo in models
         }
         bkeys = list(variants)
         label = {
@@ -329,7 +358,8 @@ def main() -> int:
             + (f" switch {si * 1e3:g}ms" if si else "")
             + (" null writer" if null else "")
             + (f" writer-{wm}" if wm else "")
-            for k, (w, m, si, null, wm) in variants.items()
+            + (" kept model" if mo == "kept" else "")
+            for k, (w, m, si, null, wm, mo) in variants.items()
         }
         default_switch = sys.getswitchinterval()
         sides: dict[str, list[float]] = {k: [] for k in ["A", "A2", *bkeys, "C"]}
@@ -357,7 +387,7 @@ def main() -> int:
                 if not side.startswith("B"):
                     cpu[side].append(time.process_time() - c0)
                 else:
-                    runner_mod.WRITER_THREADS, mode, si, null, wmode = variants[side]
+                    runner_mod.WRITER_THREADS, mode, si, null, wmode, mo = variants[side]
                     if mode:
                         os.environ["HSX_TOKENIZER"] = mode
                     if wmode:
@@ -365,7 +395,9 @@ def main() -> int:
                     sys.setswitchinterval(si or default_switch)
                     try:
                         with null_writer(null):
-                            got[side], wall, tm = runner_run(cfg_kw, work / f"run{rnd}")
+                            got[side], wall, tm = runner_run(
+                                cfg_kw, work / f"run{rnd}", backend if mo == "kept" else None
+                            )
                     finally:
                         sys.setswitchinterval(default_switch)
                     walls[side].append(wall)

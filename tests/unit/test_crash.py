@@ -27,6 +27,7 @@ from hsx_run_helpers import (
     run,
 )
 
+from extraction import writerproc
 from extraction.backends.hf import HFBackend
 from extraction.dataset import scan_dataset
 from extraction.shards import format as fmt
@@ -38,39 +39,50 @@ TRIALS = 10
 CTX = mp.get_context("fork")
 
 
-def _child(cfg_kw: dict, backend: SharedBackend, inject: tuple[str, int] | None) -> None:
+def _child(
+    cfg_kw: dict, backend: SharedBackend, inject: tuple[str, int] | None, writer: str = "process"
+) -> None:
     torch.set_num_threads(1)  # also required after fork: the parent's OpenMP pool is gone
+    os.environ["HSX_WRITER"] = writer
     if inject is not None:
-        _arm(*inject)
+        _arm(*inject, writer)
     os._exit(run(make_cfg(**cfg_kw), backend))
 
 
-def _arm(call: str, at: int) -> None:
-    """SIGKILL ourselves at the `at`-th call of os.<call>; 'tear' writes half an index line first.
+def _arm(call: str, at: int, writer: str) -> None:
+    """SIGKILL the runner at the `at`-th call of os.<call> by whoever publishes the shards (its
+    writer process, or the runner itself with writer threads); 'tear' writes half an index line
+    first. The writer process dies with it, as a node going down takes both.
 
-    Only this process's calls count: the runner's tokenizer process, forked from it, inherits the
-    wrapper but is not the process under test (its own writes are its messages)."""
+    Only the publisher's calls count: the runner's tokenizer process inherits the wrapper too (its
+    writes are its messages), and so does the runner beside a writer process (status, pipes)."""
     count = {"n": 0}
     name = "write" if call == "tear" else call
     real = getattr(os, name)
     runner_pid = os.getpid()
 
+    def publishing() -> bool:
+        if writer == "process":
+            return writerproc.in_writer_process()
+        return os.getpid() == runner_pid
+
     def wrapper(*args, **kwargs):
-        if os.getpid() != runner_pid:
+        if not publishing():
             return real(*args, **kwargs)
         count["n"] += 1
         if count["n"] == at:
             if call == "tear":
                 fd, data = args[0], bytes(args[1])
                 real(fd, data[: max(1, len(data) // 2)])
+            os.kill(runner_pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*args, **kwargs)
 
     setattr(os, name, wrapper)
 
 
-def _start(cfg_kw: dict, backend: SharedBackend, inject=None):
-    p = CTX.Process(target=_child, args=(cfg_kw, backend, inject))
+def _start(cfg_kw: dict, backend: SharedBackend, inject=None, writer: str = "process"):
+    p = CTX.Process(target=_child, args=(cfg_kw, backend, inject, writer))
     p.start()
     return p
 
@@ -98,16 +110,17 @@ def test_kill_9_at_random_points_then_resume(setup, tmp_path: Path) -> None:
         out = tmp_path / f"t{trial}"
         cfg_kw = {**kw, "output": out}
         kills = 2 if trial % 3 == 0 else 1
+        writer = "thread" if trial % 5 == 4 else "process"  # the sglang backend's writer threads too
         for _ in range(kills):
             if trial % 2:
                 call = rng.choice(["replace", "fsync", "write", "tear"])
                 # calls per sample: 1 replace, 2-3 fsyncs, 1 index write
                 at = rng.randint(1, {"replace": N // 2, "fsync": N, "write": N // 2, "tear": N // 2}[call])
-                p = _start(cfg_kw, backend, (call, at))
+                p = _start(cfg_kw, backend, (call, at), writer)
                 p.join(120)
             else:
                 # A random moment of the write phase: after k samples are indexed, plus a jitter.
-                p = _start(cfg_kw, backend)
+                p = _start(cfg_kw, backend, writer=writer)
                 k = rng.randint(0, N - 2)
                 while len(fmt.load_index(str(out))) <= k and p.is_alive():
                     time.sleep(0.002)
@@ -115,7 +128,7 @@ def test_kill_9_at_random_points_then_resume(setup, tmp_path: Path) -> None:
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(120)
             killed += p.exitcode == -signal.SIGKILL
-            print(f"trial {trial}: exit {p.exitcode}, {len(fmt.load_index(str(out)))} indexed")
+            print(f"trial {trial} ({writer}): exit {p.exitcode}, {len(fmt.load_index(str(out)))} indexed")
         p = _start(cfg_kw, backend)
         p.join(120)
         assert p.exitcode == 0, f"trial {trial}: resume exited {p.exitcode}"

@@ -1,0 +1,264 @@
+"""The writer process: its shared buffer, its protocol, and the runner when it fails or dies."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hsx_run_helpers import (
+    SharedBackend,
+    load_shards,
+    make_cfg,
+    one_thread,  # noqa: F401  (autouse)
+    run,
+)
+from shard_helpers import manifest, tensors
+
+from extraction.backends.hf import HFBackend
+from extraction.diskguard import DiskGuard
+from extraction.publisher import BatchPublisher
+from extraction.runner import EXIT_FAILED, EXIT_OK, Runner
+from extraction.shards import ShardWriter
+from extraction.shards import format as fmt
+from extraction.shards.verify import verify_output
+from extraction.status import read_status
+from extraction.tiny import write_tiny_dataset
+from extraction.writerproc import ALIGN, FLAG_ABANDON, HEADER, Arena, WriterGone, WriterProcess, copy_into
+
+N = 16
+
+
+# ------------------------------------------------------------------ the arena
+
+
+def test_arena_allocates_in_a_ring_and_reuses_freed_space() -> None:
+    a = Arena(4 * 1024)
+    x, y, z = a.alloc(1000), a.alloc(1000), a.alloc(1000)
+    assert (x, y, z) == (HEADER, HEADER + 1024, HEADER + 2048)  # ALIGN-ed, in order
+    assert a.alloc(1024) == HEADER + 3072  # exactly full now
+    a.free(y)  # freed out of order: the oldest block still holds the space
+    assert a.in_use() == 4096
+    a.free(x)  # now the two oldest are gone: 2048 bytes at the start are free again
+    assert a.alloc(2048) == HEADER  # wrapped around
+    with pytest.raises(ValueError, match="do not fit the writer's buffer of 4096 bytes"):
+        a.alloc(4097)
+
+
+def test_arena_alloc_waits_for_a_free_and_wakes_with_writergone_on_close() -> None:
+    a = Arena(2 * ALIGN)
+    first = a.alloc(ALIGN)
+    a.alloc(ALIGN)
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(a.alloc(ALIGN)))
+    t.start()
+    time.sleep(0.1)
+    assert got == [] and t.is_alive()  # full: it waits
+    a.free(first)
+    t.join(5)
+    assert got == [HEADER]
+    t = threading.Thread(target=lambda: got.append(pytest.raises(WriterGone, a.alloc, ALIGN)))
+    t.start()
+    time.sleep(0.1)
+    a.close("the writer process died")
+    t.join(5)
+    assert not t.is_alive() and "died" in str(got[-1].value)
+
+
+def test_arena_views_are_shared_with_a_forked_process() -> None:
+    a = Arena(1 << 16)
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    off = copy_into(a, t)
+    assert a.offset_of(a.tensor(off, torch.float32, (3, 4))) == off
+    assert a.offset_of(t) is None  # not in the arena
+    pid = os.fork()
+    if pid == 0:  # the child doubles what it sees
+        v = a.tensor(off, torch.float32, (3, 4))
+        v.mul_(2)
+        os._exit(0 if a.flag(FLAG_ABANDON) else 3)
+    a.set_flag(FLAG_ABANDON)  # may land before or after the fork: check the copy, not the flag
+    os.waitpid(pid, 0)
+    assert torch.equal(a.tensor(off, torch.float32, (3, 4)), t * 2)
+
+
+# ------------------------------------------------------------------ the process and its protocol
+
+
+def _writer_process(root: Path, threads: int = 1) -> tuple[WriterProcess, ShardWriter]:
+    writer = ShardWriter(root, manifest(), check_finite=False)
+    publisher = BatchPublisher(writer, DiskGuard(str(root), 0), 4)
+    return WriterProcess(publisher, Arena(1 << 20), threads, 4), writer
+
+
+def _wire(wp: WriterProcess, sid: str, seed: int) -> tuple:
+    t = tensors(5, seed)
+    h, a = (copy_into(wp.arena, t[k]) for k in ("hidden_state", "aux_hidden_state"))
+    return (
+        sid,
+        t["input_ids"].numpy(),
+        t["loss_mask"].numpy(),
+        (h, tuple(t["hidden_state"].shape), "float32"),
+        (a, tuple(t["aux_hidden_state"].shape), "float32"),
+        None,
+    )
+
+
+def test_batches_published_by_the_child_and_nothing_after_abandon(tmp_path: Path) -> None:
+    wp, _ = _writer_process(tmp_path, threads=2)
+    try:
+        wp.submit(0, [_wire(wp, "a", 1), _wire(wp, "b", 2)])
+        results = wp.outcomes()
+        batch, outcome = next(results)
+        assert batch == 0 and sorted(e.sample_id for e in outcome.written) == ["a", "b"]
+        assert outcome.failed == [] and outcome.pause is None
+        wp.arena.set_flag(FLAG_ABANDON)  # a second signal: publish nothing more
+        wp.submit(1, [_wire(wp, "c", 3)])
+        batch, outcome = next(results)
+        assert batch == 1 and outcome.written == []
+        wp.end()
+        assert list(results) == []  # the goodbye
+        assert wp.wait() == "exit status 0"
+    finally:
+        wp.close()
+    assert sorted(fmt.load_index(str(tmp_path))) == ["a", "b"]
+    for sid, want in (("a", tensors(5, 1)), ("b", tensors(5, 2))):
+        got = torch.load(tmp_path / fmt.shard_relpath(sid), weights_only=True)
+        assert torch.equal(got["aux_hidden_state"][0], want["aux_hidden_state"].to(torch.bfloat16))
+
+
+def test_a_dead_child_is_reported_not_waited_for(tmp_path: Path) -> None:
+    wp, _ = _writer_process(tmp_path)
+    try:
+        os.kill(wp.pid, signal.SIGKILL)
+        with pytest.raises(WriterGone, match=r"ended without finishing \(killed by SIGKILL\)"):
+            next(wp.outcomes())
+        with pytest.raises(WriterGone, match=r"has gone \(killed by SIGKILL\)"):
+            wp.submit(0, [_wire(wp, "s0", 0)])  # nobody reads the pipe any more
+    finally:
+        wp.close()
+
+
+# ------------------------------------------------------------------ the runner with it
+
+CTX = mp.get_context("fork")
+
+
+@pytest.fixture(scope="module")
+def env(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("wp")
+    ds = write_tiny_dataset(root / "d.jsonl", N, seed=5)
+    backend = SharedBackend(HFBackend(tiny_model_dir, [1, 3, 4], dtype="fp32"))
+    ref = root / "ref"
+    assert run(make_cfg(tiny_model_dir, ds, ref, batch_size=1), backend) == EXIT_OK
+    return tiny_model_dir, ds, backend, load_shards(ref)
+
+
+def test_the_writer_process_killed_mid_run_fails_the_run_cleanly_and_resume_completes(
+    env, tmp_path, monkeypatch
+) -> None:
+    """SIGKILL to the writer process at its first outcome: the run ends as failed with the
+    reason (no hang: the forward may be waiting for buffer space), what was indexed is whole,
+    and the next run completes it, bit for bit."""
+    model, ds, backend, reference = env
+    apply = Runner._apply
+
+    def kill_writer(self, work, outcome):
+        if self.writer_proc is not None and self.writer_proc.pid is not None:
+            os.kill(self.writer_proc.pid, signal.SIGKILL)
+        apply(self, work, outcome)
+
+    monkeypatch.setattr(Runner, "_apply", kill_writer)
+    out = tmp_path / "out"
+    logs: list[str] = []
+    assert run(make_cfg(model, ds, out, batch_size=1), backend, logs) == EXIT_FAILED
+    assert any("the writer process ended without finishing (killed by SIGKILL)" in m for m in logs), logs
+    status = read_status(str(out))
+    assert status["state"] == "failed" and "writer process" in status["message"]
+    index = fmt.load_index(str(out))
+    assert 0 < len(index) < N
+    report = verify_output(str(out), "deep")
+    assert report.exit_code == 0 and report.ok == len(index)
+    monkeypatch.setattr(Runner, "_apply", apply)
+    assert run(make_cfg(model, ds, out, batch_size=1), backend) == EXIT_OK
+    got = load_shards(out)
+    assert got.keys() == reference.keys()
+    assert all(torch.equal(got[s][k], v) for s, t in reference.items() for k, v in t.items())
+
+
+def test_a_bug_in_the_writer_process_fails_the_run_with_its_reason(env, tmp_path, monkeypatch) -> None:
+    model, ds, backend, _ = env
+    publish = BatchPublisher.publish
+    calls = {"n": 0}
+
+    def second_fails(self, items, threads, stopped):  # runs in the child (patched before the fork)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("bug in the publisher")
+        return publish(self, items, threads, stopped)
+
+    monkeypatch.setattr(BatchPublisher, "publish", second_fails)
+    out = tmp_path / "out"
+    logs: list[str] = []
+    assert run(make_cfg(model, ds, out, batch_size=2), backend, logs) == EXIT_FAILED
+    assert any("the writer process failed: RuntimeError: bug in the publisher" in m for m in logs), logs
+    assert len(fmt.load_index(str(out))) == 2  # the first batch
+    assert calls["n"] == 0  # the calls were the child's
+
+
+def _runner_child(cfg_kw: dict, backend: SharedBackend, log_path: str) -> None:
+    torch.set_num_threads(1)
+    publish = BatchPublisher.publish
+
+    def slow_publish(self, items, threads, stopped):  # the writer is mid-batch when the runner dies
+        time.sleep(30)
+        return publish(self, items, threads, stopped)
+
+    BatchPublisher.publish = slow_publish  # before the runner forks its writer process
+    with open(log_path, "a") as f:
+        code = Runner(
+            make_cfg(**cfg_kw), lambda _c, _i: backend, log=lambda m: (f.write(m + "\n"), f.flush())
+        ).run()
+    os._exit(code)
+
+
+def test_the_writer_process_dies_with_the_runner(env, tmp_path) -> None:
+    """kill -9 of the runner takes its writer process too (PR_SET_PDEATHSIG), at once, even in
+    the middle of a batch (it would see the end of its pipe only after that): none is left to
+    race the resumed run over the same output."""
+    model, ds, backend, _ = env
+    log = tmp_path / "log"
+    p = CTX.Process(
+        target=_runner_child,
+        args=(dict(model=model, dataset=ds, output=tmp_path / "out", batch_size=1), backend, str(log)),
+    )
+    p.start()
+    deadline = time.monotonic() + 60
+    while "forward on" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # the first batch has reached the writer, which sleeps on it
+    line = next(m for m in log.read_text().splitlines() if "writer process (pid" in m)
+    writer_pid = int(line.split("(pid ")[1].split(",")[0])
+    assert _alive(writer_pid)
+    os.kill(p.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5  # not p.join(): its sentinel pipe is the writer's too
+    while _alive(writer_pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    alive = _alive(writer_pid)
+    if alive:
+        os.kill(writer_pid, signal.SIGKILL)
+    p.join(30)
+    assert not alive
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
