@@ -60,7 +60,15 @@ from extraction.shards import (
 )
 from extraction.shards import format as fmt
 from extraction.status import ERRORS_NAME, StatusReporter, StatusThread, now_iso
-from extraction.writerproc import FLAG_ABANDON, FLAG_DRAIN, Arena, WriterGone, WriterProcess, copy_into
+from extraction.writerproc import (
+    FLAG_ABANDON,
+    FLAG_DRAIN,
+    Arena,
+    ArenaFull,
+    WriterGone,
+    WriterProcess,
+    copy_into,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -186,15 +194,15 @@ def forward_cpu_threads(cores: int, writer_threads: int) -> int:
 
 def writer_buffer_bytes(batch_size: int, max_tokens: int, token_bytes: int) -> int:
     """The writer process's shared buffer: WRITER_BUFFER_BATCHES batches at their longest, at
-    least two samples at their longest (one must always fit), at most WRITER_BUFFER_MAX or an
-    eighth of the memory (it is pinned on a GPU host)."""
+    least two samples at their longest, never more than WRITER_BUFFER_MAX or an eighth of the
+    memory (it is pinned on a GPU host). A sample too long for it fails alone, saying so."""
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         memory = 8 * WRITER_BUFFER_MAX
     cap = min(WRITER_BUFFER_MAX, memory // 8)
     sample = max_tokens * token_bytes
-    return max(2 * sample, min(cap, WRITER_BUFFER_BATCHES * batch_size * sample))
+    return min(cap, max(2 * sample, WRITER_BUFFER_BATCHES * batch_size * sample))
 
 
 def make_backend(cfg: ExtractConfig, layer_ids: list[int]) -> Backend:
@@ -245,7 +253,7 @@ class Runner:
         self.writer_threads = WRITER_THREADS or (1 if fmt.usable_cores() <= 4 else 2)
         self.writer_proc: WriterProcess | None = None
         self._allocs: list[int] = []  # writer-buffer blocks the batch in the forward has taken
-        self._in_writer: dict[int, _Work] = {}  # batch id -> batch the writer process has
+        self._in_writer: dict[int, tuple[_Work, list[int]]] = {}  # batch id -> (batch, blocks it frees)
         self._in_writer_lock = threading.Lock()
         self._host_empty_ok = False  # the backend's host buffers may come from the writer's buffer
         self.batch_q: queue.Queue = queue.Queue(
@@ -533,7 +541,7 @@ class Runner:
     # ------------------------------------------------------------------ forward with retries
 
     def _try_extract(
-        self, batch: list[Sample]
+        self, batch: list[Sample], shared: bool = True
     ) -> tuple[list[SampleStates] | None, Callable[[], Any] | None, str, int]:
         """Up to 1 + retries attempts with doubling backoff; (results, ready, last error, attempts).
 
@@ -541,7 +549,7 @@ class Runner:
         states are on the host, and the writer thread calls it, so this thread goes on at once."""
         reason = ""
         extract_async = getattr(self.backend, "extract_async", None)
-        if extract_async is not None and self._host_empty_ok:  # states land in the writer's buffer
+        if extract_async is not None and self._host_empty_ok and shared:  # in the writer's buffer
             extract_async = functools.partial(extract_async, host_empty=self._host_empty)
         for attempt in range(self.cfg.retries + 1):
             if attempt:
@@ -571,12 +579,17 @@ class Runner:
             if r.input_ids is not s.input_ids and not bool((r.input_ids.cpu() == s.input_ids).all()):
                 raise RuntimeError(f"{s.sample_id!r}: backend saw other input_ids than were sent")
 
-    def _host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Host memory for a batch's states, in the writer process's buffer (pinned on a GPU)."""
+    def _host_empty(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
+        """Host memory for a batch's states in the writer process's buffer (pinned on a GPU);
+        None (the backend then uses torch's pinned memory, and the courier copies) when the
+        buffer cannot take the batch without waiting on batches not sent yet."""
         assert self.writer_proc is not None
-        t, offset = self.writer_proc.arena.empty(tuple(shape), dtype)
-        self._allocs.append(offset)
-        return t
+        try:
+            tensors, block = self.writer_proc.arena.empty(specs)
+        except (ArenaFull, ValueError):
+            return None
+        self._allocs.append(block)
+        return tensors
 
     def _forward(self, work: _Work) -> _Work | None:
         results, ready, reason, attempts = self._try_extract(work.samples)
@@ -600,7 +613,8 @@ class Runner:
                 continue
             if self.stop_event.is_set():
                 break
-            res, ready, why, n = self._try_extract([s])
+            # not in the writer's buffer: what this batch already holds there is not sent yet
+            res, ready, why, n = self._try_extract([s], shared=False)
             if res is not None and ready is not None:
                 try:
                     ready()
@@ -906,7 +920,7 @@ class Runner:
         host, puts states that are not in the shared buffer yet (CPU) there, sends the batch."""
         wp = self.writer_proc
         assert wp is not None
-        batch_ids = itertools.count()
+        self._batch_ids = itertools.count()
         try:
             while True:
                 work = work_q.get()
@@ -915,23 +929,27 @@ class Runner:
                 if self._stopped_writing() or not self._wait_ready(work):
                     self._free(work.allocs)  # not written: these samples stay pending
                     continue
-                wire = []
+                wire: list[tuple[Any, ...]] = []
+                blocks: list[int] = []
                 for s, st in zip(work.samples, work.results, strict=True):
-                    if s.sample_id in work.pending:
-                        wire.append(
-                            (
-                                s.sample_id,
-                                s.input_ids.numpy(),
-                                s.loss_mask.numpy(),
-                                self._shared(st.hidden_state, work),
-                                self._shared(st.aux_hidden_state, work),
-                                st.finite,
-                            )
-                        )
-                batch_id = next(batch_ids)
-                with self._in_writer_lock:
-                    self._in_writer[batch_id] = work
-                wp.submit(batch_id, wire)
+                    if s.sample_id not in work.pending:
+                        continue
+                    try:
+                        try:
+                            hidden, aux = self._shared(st, blocks)
+                        except ArenaFull:  # what it holds is this batch's: send that part first
+                            if not wire:
+                                raise
+                            self._submit(work, wire, blocks)
+                            wire, blocks = [], []
+                            hidden, aux = self._shared(st, blocks)
+                    except (ValueError, ArenaFull) as e:  # longer than the buffer (no --max-length)
+                        self._sample_failed(s, f"write failed: {e}; set --max-length")
+                        continue
+                    wire.append(
+                        (s.sample_id, s.input_ids.numpy(), s.loss_mask.numpy(), hidden, aux, st.finite)
+                    )
+                self._submit(work, wire, blocks + work.allocs)  # its last part frees the whole batch's
         except BaseException as e:  # never leave the forward thread blocked on a full queue
             if not isinstance(e, WriterGone):
                 reason = f"the writer failed: {type(e).__name__}: {e}"
@@ -944,16 +962,30 @@ class Runner:
         finally:
             wp.end()
 
-    def _shared(self, t: torch.Tensor, work: _Work) -> tuple[int, tuple[int, ...], str]:
-        """(offset, shape, dtype name) of a state tensor in the writer's buffer, copied there first
-        if it is not (the CPU's states, or a GPU's when the buffer could not be pinned)."""
+    def _submit(self, work: _Work, wire: list[tuple[Any, ...]], blocks: list[int]) -> None:
+        """Send (part of) a batch; its outcome will free `blocks`."""
+        assert self.writer_proc is not None
+        batch_id = next(self._batch_ids)
+        with self._in_writer_lock:
+            self._in_writer[batch_id] = (work, blocks)
+        self.writer_proc.arena.mark_sent(blocks)
+        self.writer_proc.submit(batch_id, wire)
+
+    def _shared(self, st: SampleStates, blocks: list[int]) -> list[tuple[int, tuple[int, ...], str]]:
+        """(offset, shape, dtype name) of a sample's two state tensors in the writer's buffer,
+        copied there first (one block, added to `blocks`) if they are not in it (the CPU's
+        states, or a GPU's in torch's pinned memory)."""
         assert self.writer_proc is not None
         arena = self.writer_proc.arena
-        offset = arena.offset_of(t)
-        if offset is None:
-            offset = copy_into(arena, t)
-            work.allocs.append(offset)
-        return offset, tuple(t.shape), str(t.dtype).removeprefix("torch.")
+        tensors = (st.hidden_state, st.aux_hidden_state)
+        offsets = [arena.offset_of(t) for t in tensors]
+        if None in offsets:
+            block, offsets = copy_into(arena, *tensors)
+            blocks.append(block)
+        return [
+            (o, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            for o, t in zip(offsets, tensors, strict=True)
+        ]
 
     def _collect_outcomes(self) -> None:
         """Applies the writer process's outcomes as they come; a writer that failed or died ends
@@ -963,8 +995,8 @@ class Runner:
         try:
             for batch_id, outcome in wp.outcomes():
                 with self._in_writer_lock:
-                    work = self._in_writer.pop(batch_id)
-                self._free(work.allocs)
+                    work, blocks = self._in_writer.pop(batch_id)
+                self._free(blocks)
                 self._apply(work, outcome)
         except BaseException as e:
             reason = str(e) if isinstance(e, WriterGone) else f"the writer failed: {type(e).__name__}: {e}"

@@ -59,6 +59,10 @@ class WriterGone(RuntimeError):
     """The writer process has failed or ended: no space will be freed any more."""
 
 
+class ArenaFull(RuntimeError):
+    """No room, and none of the space in use is the writer's to free: waiting would never end."""
+
+
 class Arena:
     """A shared anonymous mapping with a ring allocator: batches are allocated in order and
     freed (about) in order, as the child finishes them."""
@@ -69,7 +73,9 @@ class Arena:
         self.mm = mmap.mmap(-1, self.size)  # MAP_SHARED | MAP_ANONYMOUS on Linux
         self.whole = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.address = self.whole.data_ptr()
-        self._blocks: deque[list[int]] = deque()  # [offset, size, freed], in allocation order
+        # [offset, size, freed, sent], in allocation order. Sent: in a batch the writer has, so
+        # its outcome will free it; only those are worth waiting for.
+        self._blocks: deque[list[int]] = deque()
         self._index: dict[int, list[int]] = {}
         self._cond = threading.Condition()
         self._closed: str | None = None
@@ -77,7 +83,12 @@ class Arena:
 
     # -- allocation (this process) ---------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
-        """The offset of `nbytes` free bytes, waiting for the child to free some if need be."""
+        """The offset of `nbytes` free bytes, waiting for the child to free some if need be.
+
+        Waits only while some block in use has been sent to the child (mark_sent): space held
+        by batches not sent yet is freed only after the caller (or the thread it waits on) goes
+        on, so waiting for it could last forever: ArenaFull instead. ValueError if `nbytes` would
+        not fit even an empty buffer."""
         n = -(-max(nbytes, 1) // ALIGN) * ALIGN
         if n > self.capacity:
             raise ValueError(f"{nbytes} bytes do not fit the writer's buffer of {self.capacity} bytes")
@@ -87,11 +98,21 @@ class Arena:
                     raise WriterGone(self._closed)
                 at = self._place(n)
                 if at is not None:
-                    block = [at, n, 0]
+                    block = [at, n, 0, 0]
                     self._blocks.append(block)
                     self._index[at] = block
                     return at
+                if not any(b[3] and not b[2] for b in self._blocks):
+                    raise ArenaFull(f"{nbytes} bytes: the writer's buffer is full of batches not sent yet")
                 self._cond.wait()
+
+    def mark_sent(self, offsets: list[int]) -> None:
+        """These blocks are in a batch the child has: its outcome frees them."""
+        with self._cond:
+            for offset in offsets:
+                block = self._index.get(offset)
+                if block is not None:
+                    block[3] = 1
 
     def _place(self, n: int) -> int | None:
         if not self._blocks:
@@ -133,13 +154,21 @@ class Arena:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return self.whole[offset : offset + numel * itemsize].view(dtype).view(shape)
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-        """A tensor of the arena (allocated here, freed with `free(offset)`) and its offset."""
-        numel = 1
-        for d in shape:
-            numel *= d
-        offset = self.alloc(numel * torch.empty((), dtype=dtype).element_size())
-        return self.tensor(offset, dtype, tuple(shape)), offset
+    def empty(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[torch.Tensor], int]:
+        """Tensors of these (shape, dtype)s in one new block of the arena (freed with
+        `free(block)`): the tensors and the block."""
+        sizes = []
+        for shape, dtype in specs:
+            numel = 1
+            for d in shape:
+                numel *= d
+            sizes.append(-(-(numel * torch.empty((), dtype=dtype).element_size()) // ALIGN) * ALIGN)
+        block = self.alloc(sum(sizes))
+        out, at = [], block
+        for (shape, dtype), size in zip(specs, sizes, strict=True):
+            out.append(self.tensor(at, dtype, tuple(shape)))
+            at += size
+        return out, block
 
     def offset_of(self, t: torch.Tensor) -> int | None:
         """Where a contiguous CPU tensor lies in the arena, or None if it is not in it."""
@@ -178,17 +207,23 @@ class Arena:
             torch.cuda.cudart().cudaHostUnregister(self.address + HEADER)
 
 
-def copy_into(arena: Arena, t: torch.Tensor) -> int:
-    """Copy a CPU tensor into a new block of the arena; its offset. NumPy, one thread, GIL
-    released for large copies (a torch copy here would start an OpenMP team beside the
-    forward's)."""
-    src = t.contiguous()
-    nbytes = src.numel() * src.element_size()
-    offset = arena.alloc(nbytes)
-    if nbytes:
-        dst = arena.whole[offset : offset + nbytes].numpy()
-        numpy.copyto(dst, src.reshape(-1).view(torch.uint8).numpy())
-    return offset
+def copy_into(arena: Arena, *tensors: torch.Tensor) -> tuple[int, list[int]]:
+    """Copy CPU tensors into one new block of the arena: (the block, each tensor's offset).
+    NumPy, one thread, GIL released for large copies (a torch copy here would start an OpenMP
+    team beside the forward's)."""
+    sources = [t.contiguous() for t in tensors]
+    sizes = [-(-(t.numel() * t.element_size()) // ALIGN) * ALIGN for t in sources]
+    block = arena.alloc(sum(sizes))
+    offsets = []
+    at = block
+    for src, size in zip(sources, sizes, strict=True):
+        nbytes = src.numel() * src.element_size()
+        if nbytes:
+            dst = arena.whole[at : at + nbytes].numpy()
+            numpy.copyto(dst, src.reshape(-1).view(torch.uint8).numpy())
+        offsets.append(at)
+        at += size
+    return block, offsets
 
 
 def _send(fd: int, message: Any) -> None:

@@ -181,7 +181,8 @@ class HFBackend:
     def extract_async(
         self,
         samples: list[Sample],
-        host_empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+        host_empty: Callable[[list[tuple[tuple[int, ...], torch.dtype]]], list[torch.Tensor] | None]
+        | None = None,
     ) -> PendingStates:
         """Queue the forward and the copy to the host; the states are valid after `.wait()`.
 
@@ -189,9 +190,9 @@ class HFBackend:
         stream of their own, followed by an event: this thread returns at once and queues the next
         batch, whose kernels run while the copy engine moves this one (on the compute stream the
         copy held the next forward back ~5 ms per batch of 268 MB). Whoever writes the shards
-        waits on the event. Each sample's states are views of the batch buffer. `host_empty(shape,
-        dtype)` gives that buffer when the caller has pinned memory of its own (the runner's writer
-        process reads the states from a shared mapping); torch's pinned memory otherwise.
+        waits on the event. Each sample's states are views of the batch buffer. `host_empty([(shape,
+        dtype), ...])` gives those buffers when the caller has pinned memory of its own (the runner's
+        writer process reads the states from a shared mapping), or None; torch's pinned memory otherwise.
         """
         if not samples:
             return PendingStates([], None)
@@ -200,9 +201,13 @@ class HFBackend:
         if self.device.type == "cuda":
             # The NaN/Inf check costs nothing here and ~10 ms a sample on the host in bf16.
             dev_finite = torch.isfinite(final).all(-1) & torch.isfinite(aux).all(-1)
-            if host_empty is not None:
-                host_final = host_empty(tuple(final.shape), final.dtype)
-                host_aux = host_empty(tuple(aux.shape), aux.dtype)
+            bufs = (
+                host_empty([(tuple(final.shape), final.dtype), (tuple(aux.shape), aux.dtype)])
+                if host_empty
+                else None
+            )
+            if bufs is not None:
+                host_final, host_aux = bufs
             else:
                 host_final = torch.empty(final.shape, dtype=final.dtype, pin_memory=True)
                 host_aux = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -27,9 +28,18 @@ from extraction.runner import EXIT_FAILED, EXIT_OK, Runner
 from extraction.shards import ShardWriter
 from extraction.shards import format as fmt
 from extraction.shards.verify import verify_output
-from extraction.status import read_status
+from extraction.status import ERRORS_NAME, read_status
 from extraction.tiny import write_tiny_dataset
-from extraction.writerproc import ALIGN, FLAG_ABANDON, HEADER, Arena, WriterGone, WriterProcess, copy_into
+from extraction.writerproc import (
+    ALIGN,
+    FLAG_ABANDON,
+    HEADER,
+    Arena,
+    ArenaFull,
+    WriterGone,
+    WriterProcess,
+    copy_into,
+)
 
 N = 16
 
@@ -53,7 +63,10 @@ def test_arena_allocates_in_a_ring_and_reuses_freed_space() -> None:
 def test_arena_alloc_waits_for_a_free_and_wakes_with_writergone_on_close() -> None:
     a = Arena(2 * ALIGN)
     first = a.alloc(ALIGN)
-    a.alloc(ALIGN)
+    second = a.alloc(ALIGN)
+    with pytest.raises(ArenaFull):  # nothing in use was sent to the writer: waiting would not end
+        a.alloc(ALIGN)
+    a.mark_sent([first])  # now the writer's outcome will free it: worth waiting for
     got: list[object] = []
     t = threading.Thread(target=lambda: got.append(a.alloc(ALIGN)))
     t.start()
@@ -62,6 +75,7 @@ def test_arena_alloc_waits_for_a_free_and_wakes_with_writergone_on_close() -> No
     a.free(first)
     t.join(5)
     assert got == [HEADER]
+    a.mark_sent([second, HEADER])
     t = threading.Thread(target=lambda: got.append(pytest.raises(WriterGone, a.alloc, ALIGN)))
     t.start()
     time.sleep(0.1)
@@ -73,7 +87,10 @@ def test_arena_alloc_waits_for_a_free_and_wakes_with_writergone_on_close() -> No
 def test_arena_views_are_shared_with_a_forked_process() -> None:
     a = Arena(1 << 16)
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    off = copy_into(a, t)
+    u = torch.ones(5, dtype=torch.bfloat16)
+    block, (off, uoff) = copy_into(a, t, u)
+    assert block == off == HEADER and uoff == HEADER + ALIGN  # one block, each tensor aligned
+    assert torch.equal(a.tensor(uoff, torch.bfloat16, (5,)), u)
     assert a.offset_of(a.tensor(off, torch.float32, (3, 4))) == off
     assert a.offset_of(t) is None  # not in the arena
     pid = os.fork()
@@ -97,7 +114,7 @@ def _writer_process(root: Path, threads: int = 1) -> tuple[WriterProcess, ShardW
 
 def _wire(wp: WriterProcess, sid: str, seed: int) -> tuple:
     t = tensors(5, seed)
-    h, a = (copy_into(wp.arena, t[k]) for k in ("hidden_state", "aux_hidden_state"))
+    _, (h, a) = copy_into(wp.arena, t["hidden_state"], t["aux_hidden_state"])
     return (
         sid,
         t["input_ids"].numpy(),
@@ -161,18 +178,20 @@ def env(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 def test_the_writer_process_killed_mid_run_fails_the_run_cleanly_and_resume_completes(
     env, tmp_path, monkeypatch
 ) -> None:
-    """SIGKILL to the writer process at its first outcome: the run ends as failed with the
-    reason (no hang: the forward may be waiting for buffer space), what was indexed is whole,
-    and the next run completes it, bit for bit."""
+    """SIGKILL to the writer process as it starts its third batch: the run ends as failed with
+    the reason (no hang: the forward may be waiting for buffer space), the two batches indexed
+    are whole, and the next run completes the rest, bit for bit."""
     model, ds, backend, reference = env
-    apply = Runner._apply
+    publish = BatchPublisher.publish
+    calls = {"n": 0}
 
-    def kill_writer(self, work, outcome):
-        if self.writer_proc is not None and self.writer_proc.pid is not None:
-            os.kill(self.writer_proc.pid, signal.SIGKILL)
-        apply(self, work, outcome)
+    def dies_at_the_third(self, items, threads, stopped):  # in the child (patched before the fork)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return publish(self, items, threads, stopped)
 
-    monkeypatch.setattr(Runner, "_apply", kill_writer)
+    monkeypatch.setattr(BatchPublisher, "publish", dies_at_the_third)
     out = tmp_path / "out"
     logs: list[str] = []
     assert run(make_cfg(model, ds, out, batch_size=1), backend, logs) == EXIT_FAILED
@@ -180,10 +199,10 @@ def test_the_writer_process_killed_mid_run_fails_the_run_cleanly_and_resume_comp
     status = read_status(str(out))
     assert status["state"] == "failed" and "writer process" in status["message"]
     index = fmt.load_index(str(out))
-    assert 0 < len(index) < N
+    assert len(index) == 2
     report = verify_output(str(out), "deep")
     assert report.exit_code == 0 and report.ok == len(index)
-    monkeypatch.setattr(Runner, "_apply", apply)
+    monkeypatch.setattr(BatchPublisher, "publish", publish)
     assert run(make_cfg(model, ds, out, batch_size=1), backend) == EXIT_OK
     got = load_shards(out)
     assert got.keys() == reference.keys()
@@ -262,3 +281,30 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state not in ("Z", "X")
+
+
+def test_a_batch_larger_than_the_buffer_goes_in_parts_and_a_sample_larger_fails_alone(
+    env, tmp_path, monkeypatch
+) -> None:
+    """A buffer smaller than a batch (no --max-length, long samples): the batch is sent in parts
+    as space frees; a sample that cannot fit at all fails alone, saying why; the rest is the
+    same, bit for bit, as with writer threads."""
+    model, ds, backend, _ = env
+    token_bytes = 4 * 64 * 4  # hidden + 3 captured layers, fp32
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    monkeypatch.setenv("HSX_WRITER", "thread")
+    assert run(make_cfg(model, ds, ref, batch_size=8, max_length=None), backend) == EXIT_OK
+    want = load_shards(ref)
+    lengths = sorted(len(t["input_ids"]) for t in want.values())
+    cap = lengths[N // 2] * token_bytes  # half the samples fit, a batch of 8 never does
+    too_long = {sid for sid, t in want.items() if len(t["input_ids"]) * token_bytes > cap}
+    assert 0 < len(too_long) < N and 8 * lengths[0] * token_bytes > cap
+    monkeypatch.setenv("HSX_WRITER", "process")
+    monkeypatch.setattr("extraction.runner.writer_buffer_bytes", lambda *a: cap)
+    assert run(make_cfg(model, ds, out, batch_size=8, max_length=None), backend) == EXIT_FAILED
+    got = load_shards(out)
+    assert set(got) == set(want) - too_long
+    assert all(torch.equal(got[s][k], want[s][k]) for s in got for k in want[s])
+    reasons = [json.loads(x)["reason"] for x in (out / ERRORS_NAME).read_text().splitlines()]
+    assert len(reasons) == len(too_long)
+    assert all("do not fit the writer's buffer" in r and "--max-length" in r for r in reasons), reasons
