@@ -871,9 +871,12 @@ class Runner:
             min(self.cfg.max_length or self.model_cfg["max_positions"], self.model_cfg["max_positions"]),
             (1 + m.num_aux) * m.hidden_size * self.itemsize,
         )
-        arena = Arena(size)
         threads = min(DRAIN_WRITER_THREADS, fmt.usable_cores())
-        self.writer_proc = WriterProcess(self.publisher, arena, self.writer_threads, threads)
+        try:
+            self.writer_proc = WriterProcess(self.publisher, Arena(size), self.writer_threads, threads)
+        except OSError as e:  # no memory for the buffer, no process or pipe left: threads will do
+            self.log(f"cannot start the writer process ({e}): shards published by threads")
+            return
         self.log(
             f"shards published by a writer process (pid {self.writer_proc.pid}, {size / 2**20:.1f} MiB buffer)"
         )

@@ -308,3 +308,18 @@ def test_a_batch_larger_than_the_buffer_goes_in_parts_and_a_sample_larger_fails_
     reasons = [json.loads(x)["reason"] for x in (out / ERRORS_NAME).read_text().splitlines()]
     assert len(reasons) == len(too_long)
     assert all("do not fit the writer's buffer" in r and "--max-length" in r for r in reasons), reasons
+
+
+def test_no_writer_process_possible_means_writer_threads(env, tmp_path, monkeypatch) -> None:
+    model, ds, backend, reference = env
+
+    def no_memory(self, nbytes):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(Arena, "__init__", no_memory)
+    logs: list[str] = []
+    out = tmp_path / "out"
+    assert run(make_cfg(model, ds, out, batch_size=1), backend, logs) == EXIT_OK
+    assert any("cannot start the writer process ([Errno 12] Cannot allocate memory)" in m for m in logs), logs
+    got = load_shards(out)
+    assert all(torch.equal(got[s][k], v) for s, t in reference.items() for k, v in t.items())
