@@ -98,6 +98,9 @@ WRITER_PROCESS = True
 # mapping: the forward pass waits for space beyond that, as it waits on the queue for a thread.
 WRITER_BUFFER_BATCHES = QUEUE_BATCHES + 2
 WRITER_BUFFER_MAX = 8 << 30
+# On a GPU, the share of that buffer the device's copies land in; the rest takes what the courier
+# copies in itself (a batch too large for the device's share, the one-by-one retry path).
+DEVICE_BUFFER_SHARE = 0.75
 # Tokenize in a forked child process (extraction/childgen.py) instead of a thread: its Python then
 # never takes the GIL from the forward pass. HSX_TOKENIZER=thread in the environment turns it off.
 TOKENIZER_PROCESS = True
@@ -586,7 +589,7 @@ class Runner:
         assert self.writer_proc is not None
         try:
             tensors, block = self.writer_proc.arena.empty(specs)
-        except (ArenaFull, ValueError):
+        except (ArenaFull, ValueError, WriterGone):  # WriterGone: the run is ending anyway
             return None
         self._allocs.append(block)
         return tensors
@@ -890,13 +893,14 @@ class Runner:
         if extract_async is None or "host_empty" not in inspect.signature(extract_async).parameters:
             return
         t0 = time.perf_counter()
-        err = wp.arena.register_cuda()
+        err = wp.arena.register_cuda(torch.device(self.cfg.device))
         self.timings["pin_s"] = time.perf_counter() - t0
         if err is not None:
             self.log(
                 f"cannot pin the writer's buffer ({err}): states copied into it from torch's pinned memory"
             )
             return
+        wp.arena.split(DEVICE_BUFFER_SHARE)
         self._host_empty_ok = True
 
     def _stop_writer_process(self) -> None:
@@ -929,8 +933,11 @@ class Runner:
                 work = work_q.get()
                 if work is None:
                     return
-                if self._stopped_writing() or not self._wait_ready(work):
-                    self._free(work.allocs)  # not written: these samples stay pending
+                if self._stopped_writing():
+                    self._free_after_copies(work)  # not written: these samples stay pending
+                    continue
+                if not self._wait_ready(work):
+                    self._free(work.allocs)
                     continue
                 wire: list[tuple[Any, ...]] = []
                 blocks: list[int] = []
@@ -954,16 +961,26 @@ class Runner:
                     )
                 self._submit(work, wire, blocks + work.allocs)  # its last part frees the whole batch's
         except BaseException as e:  # never leave the forward thread blocked on a full queue
+            reason = str(e) if isinstance(e, WriterGone) else f"the writer failed: {type(e).__name__}: {e}"
             if not isinstance(e, WriterGone):
-                reason = f"the writer failed: {type(e).__name__}: {e}"
                 if self.abort is None:
                     self.abort = reason
                 self.log(reason)
             self.stop_event.set()
+            wp.arena.close(reason)  # a forward waiting for space: no batch will free any now
             while (work := work_q.get()) is not None:
-                self._free(work.allocs)
+                self._free_after_copies(work)
         finally:
             wp.end()
+
+    def _free_after_copies(self, work: _Work) -> None:
+        """Free a batch's blocks that were never sent, once its copies into them are done."""
+        if work.allocs and work.ready is not None:
+            try:
+                work.ready()
+            except Exception:  # a device error: nothing is copying any more
+                pass
+        self._free(work.allocs)
 
     def _submit(self, work: _Work, wire: list[tuple[Any, ...]], blocks: list[int]) -> None:
         """Send (part of) a batch; its outcome will free `blocks`."""
@@ -971,8 +988,8 @@ class Runner:
         batch_id = next(self._batch_ids)
         with self._in_writer_lock:
             self._in_writer[batch_id] = (work, blocks)
-        self.writer_proc.arena.mark_sent(blocks)
         self.writer_proc.submit(batch_id, wire)
+        self.writer_proc.arena.mark_sent(blocks)  # after: a send that failed leaves none to wait for
 
     def _shared(self, st: SampleStates, blocks: list[int]) -> list[tuple[int, tuple[int, ...], str]]:
         """(offset, shape, dtype name) of a sample's two state tensors in the writer's buffer,
@@ -1057,6 +1074,8 @@ class Runner:
                 tm["forward_s"] += t2 - t1
                 allocs, self._allocs = self._allocs, []
                 if done is None:
+                    if allocs and self.cfg.device.startswith("cuda"):
+                        torch.cuda.synchronize()  # a failed attempt's copies may still be landing
                     self._free(allocs)
                 else:
                     done.allocs = allocs

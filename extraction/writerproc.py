@@ -16,8 +16,9 @@ thread uses and sends back its Outcome; then the batch's space is reused. The ru
 (counters, errors.jsonl, the pause, status.json) stays in this process.
 
 The child ignores SIGINT and SIGTERM (the runner decides when it stops, as for the tokenizer),
-and dies with this process (PR_SET_PDEATHSIG): a kill -9 of the runner leaves no writer behind
-to race a resumed run; what it had published is complete and indexed, what it had not is not.
+and is killed with this process (PR_SET_PDEATHSIG): a kill -9 of the runner does not leave a
+writer publishing on for a resumed run to race (a system call in flight, an fsync, still ends
+first); what it had published is complete and indexed, what it had not is not.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ FLAG_DRAIN = 1  # the forward pass has ended: more writer threads
 _FRAME = struct.Struct("<Q")
 _PIPE_BYTES = 1 << 20  # a batch's tokens in one pipe write (Linux's unprivileged maximum)
 _PR_SET_PDEATHSIG = 1
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 _in_writer = False
 
 
@@ -63,9 +65,54 @@ class ArenaFull(RuntimeError):
     """No room, and none of the space in use is the writer's to free: waiting would never end."""
 
 
+class _Ring:
+    """A ring allocator over [start, end) of the mapping: blocks allocated in order, freed in any
+    order; space comes back as the oldest (or newest) blocks are freed."""
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end = start, end
+        self.capacity = end - start
+        # [offset, size, freed, sent], in allocation order. Sent: in a batch the writer has, so
+        # its outcome will free it; only those are worth waiting for.
+        self.blocks: deque[list[int]] = deque()
+        self.index: dict[int, list[int]] = {}
+
+    def place(self, n: int) -> int | None:
+        if not self.blocks:
+            return self.start
+        first = self.blocks[0][0]
+        end = self.blocks[-1][0] + self.blocks[-1][1]
+        if end > first:  # not wrapped: after the newest block, else from the start
+            if end + n <= self.end:
+                return end
+            return self.start if self.start + n <= first else None
+        return end if end + n <= first else None
+
+    def free(self, offset: int) -> bool:
+        block = self.index.pop(offset, None)
+        if block is None:
+            return False
+        block[2] = 1
+        while self.blocks and self.blocks[0][2]:
+            self.blocks.popleft()
+        while self.blocks and self.blocks[-1][2]:
+            self.blocks.pop()
+        return True
+
+    def waiting_helps(self) -> bool:
+        return any(b[3] and not b[2] for b in self.blocks)
+
+
+DEVICE, COPY = "device", "copy"  # the two rings, once split: the GPU's copies, the courier's
+
+
 class Arena:
-    """A shared anonymous mapping with a ring allocator: batches are allocated in order and
-    freed (about) in order, as the child finishes them."""
+    """A shared anonymous mapping with ring allocators: batches are allocated in order and
+    freed (about) in order, as the child finishes them.
+
+    One ring at first. On a GPU it is split: the device's copies (allocated by the forward
+    thread, sent later by the courier) and the courier's own copies (states that could not go
+    to the device's ring) each get a ring, so neither waits for space the other holds unsent."""
 
     def __init__(self, nbytes: int):
         self.capacity = -(-max(nbytes, ALIGN) // ALIGN) * ALIGN
@@ -73,36 +120,44 @@ class Arena:
         self.mm = mmap.mmap(-1, self.size)  # MAP_SHARED | MAP_ANONYMOUS on Linux
         self.whole = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.address = self.whole.data_ptr()
-        # [offset, size, freed, sent], in allocation order. Sent: in a batch the writer has, so
-        # its outcome will free it; only those are worth waiting for.
-        self._blocks: deque[list[int]] = deque()
-        self._index: dict[int, list[int]] = {}
+        ring = _Ring(HEADER, self.size)
+        self._rings = {DEVICE: ring, COPY: ring}
         self._cond = threading.Condition()
         self._closed: str | None = None
         self.registered = False
+        self.device: torch.device | None = None
+
+    def split(self, device_share: float) -> None:
+        """Give the device's copies their own ring (this share of the space), the rest to the
+        courier's. Only before anything is allocated."""
+        with self._cond:
+            assert not self._rings[COPY].blocks, "split an arena in use"
+            mid = HEADER + int(self.capacity * device_share) // ALIGN * ALIGN
+            self._rings = {DEVICE: _Ring(HEADER, mid), COPY: _Ring(mid, self.size)}
 
     # -- allocation (this process) ---------------------------------------------------------
-    def alloc(self, nbytes: int) -> int:
+    def alloc(self, nbytes: int, ring: str = COPY) -> int:
         """The offset of `nbytes` free bytes, waiting for the child to free some if need be.
 
         Waits only while some block in use has been sent to the child (mark_sent): space held
         by batches not sent yet is freed only after the caller (or the thread it waits on) goes
         on, so waiting for it could last forever: ArenaFull instead. ValueError if `nbytes` would
-        not fit even an empty buffer."""
+        not fit even an empty ring."""
         n = -(-max(nbytes, 1) // ALIGN) * ALIGN
-        if n > self.capacity:
-            raise ValueError(f"{nbytes} bytes do not fit the writer's buffer of {self.capacity} bytes")
         with self._cond:
+            r = self._rings[ring]
+            if n > r.capacity:
+                raise ValueError(f"{nbytes} bytes do not fit the writer's buffer of {r.capacity} bytes")
             while True:
                 if self._closed is not None:
                     raise WriterGone(self._closed)
-                at = self._place(n)
+                at = r.place(n)
                 if at is not None:
                     block = [at, n, 0, 0]
-                    self._blocks.append(block)
-                    self._index[at] = block
+                    r.blocks.append(block)
+                    r.index[at] = block
                     return at
-                if not any(b[3] and not b[2] for b in self._blocks):
+                if not r.waiting_helps():
                     raise ArenaFull(f"{nbytes} bytes: the writer's buffer is full of batches not sent yet")
                 self._cond.wait()
 
@@ -110,34 +165,21 @@ class Arena:
         """These blocks are in a batch the child has: its outcome frees them."""
         with self._cond:
             for offset in offsets:
-                block = self._index.get(offset)
-                if block is not None:
-                    block[3] = 1
-
-    def _place(self, n: int) -> int | None:
-        if not self._blocks:
-            return HEADER
-        first = self._blocks[0][0]
-        end = self._blocks[-1][0] + self._blocks[-1][1]
-        if end > first:  # not wrapped: after the newest block, else from the start
-            if end + n <= self.size:
-                return end
-            return HEADER if HEADER + n <= first else None
-        return end if end + n <= first else None
+                for r in set(self._rings.values()):
+                    block = r.index.get(offset)
+                    if block is not None:
+                        block[3] = 1
 
     def free(self, offset: int) -> None:
         with self._cond:
-            block = self._index.pop(offset, None)
-            if block is None:
-                return
-            block[2] = 1
-            while self._blocks and self._blocks[0][2]:
-                self._blocks.popleft()
-            self._cond.notify_all()
+            for r in set(self._rings.values()):
+                if r.free(offset):
+                    self._cond.notify_all()
+                    return
 
     def in_use(self) -> int:
         with self._cond:
-            return sum(b[1] for b in self._blocks)
+            return sum(b[1] for r in set(self._rings.values()) for b in r.blocks)
 
     def close(self, reason: str) -> None:
         """No more frees will come: wake anyone waiting for space (they raise WriterGone)."""
@@ -155,7 +197,7 @@ class Arena:
         return self.whole[offset : offset + numel * itemsize].view(dtype).view(shape)
 
     def empty(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[torch.Tensor], int]:
-        """Tensors of these (shape, dtype)s in one new block of the arena (freed with
+        """Tensors of these (shape, dtype)s in one new block of the device's ring (freed with
         `free(block)`): the tensors and the block."""
         sizes = []
         for shape, dtype in specs:
@@ -163,7 +205,7 @@ class Arena:
             for d in shape:
                 numel *= d
             sizes.append(-(-(numel * torch.empty((), dtype=dtype).element_size()) // ALIGN) * ALIGN)
-        block = self.alloc(sum(sizes))
+        block = self.alloc(sum(sizes), DEVICE)
         out, at = [], block
         for (shape, dtype), size in zip(specs, sizes, strict=True):
             out.append(self.tensor(at, dtype, tuple(shape)))
@@ -186,25 +228,31 @@ class Arena:
         return self.mm[which] != 0
 
     # -- pinning (this process, after CUDA is up) ------------------------------------------
-    def register_cuda(self) -> str | None:
-        """Page-lock the arena for CUDA (cudaHostRegister), so copies from the device land in it
-        without a staging buffer and without blocking; the error's text if that failed."""
+    def register_cuda(self, device: torch.device) -> str | None:
+        """Page-lock the arena for CUDA (cudaHostRegister, portable: pinned for every device's
+        context), so copies from `device` land in it without a staging buffer and without
+        blocking; the error's text if that failed."""
         try:
-            err = torch.cuda.cudart().cudaHostRegister(self.address + HEADER, self.capacity, 0)
+            with torch.cuda.device(device):
+                err = torch.cuda.cudart().cudaHostRegister(
+                    self.address + HEADER, self.capacity, _REGISTER_PORTABLE
+                )
         except Exception as e:  # no CUDA runtime binding in this torch
             return f"{type(e).__name__}: {e}"
         code = int(getattr(err, "value", err))
         if code != 0:
             return f"cudaHostRegister error {code}"
-        self.registered = True
+        self.registered, self.device = True, device
         return None
 
     def release(self) -> None:
-        """Unpin; the mapping goes when its last view does."""
+        """Unpin (after the device's copies into it are done); the mapping goes when its last
+        view does."""
         if self.registered:
             self.registered = False
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self.address + HEADER)
+            with torch.cuda.device(self.device):
+                torch.cuda.synchronize(self.device)
+                torch.cuda.cudart().cudaHostUnregister(self.address + HEADER)
 
 
 def copy_into(arena: Arena, *tensors: torch.Tensor) -> tuple[int, list[int]]:
@@ -264,11 +312,19 @@ class WriterProcess:
         # from before the fork and so copy each page still shared with the child. Thawed by close().
         self._thaw = gc.get_freeze_count() == 0
         gc.freeze()
-        pid = os.fork()
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (cmd_r, cmd_w, res_r, res_w):
+                os.close(fd)
+            if self._thaw:
+                gc.unfreeze()
+            raise
         if pid == 0:  # the child: never returns into the caller's code
             os.close(cmd_w)
             os.close(res_r)
-            _child(publisher, arena, cmd_r, res_w, threads, drain_threads)
+            _child(publisher, arena, cmd_r, res_w, threads, drain_threads, parent)
         os.close(cmd_r)
         os.close(res_w)
         self.pid: int | None = pid
@@ -353,7 +409,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child(publisher: BatchPublisher, arena: Arena, cmd_r: int, res_w: int, threads: int, drain: int) -> None:
+def _child(
+    publisher: BatchPublisher, arena: Arena, cmd_r: int, res_w: int, threads: int, drain: int, parent: int
+) -> None:
     global _in_writer
     _in_writer = True
     code = 0
@@ -361,7 +419,7 @@ def _child(publisher: BatchPublisher, arena: Arena, cmd_r: int, res_w: int, thre
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _die_with_parent()
-        if os.getppid() == 1:  # the parent died before the line above
+        if os.getppid() != parent:  # the parent died before the line above
             os._exit(1)
         torch.set_num_threads(1)  # no torch op here needs a team (and OpenMP is not fork-safe)
         try:

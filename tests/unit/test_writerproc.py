@@ -60,6 +60,27 @@ def test_arena_allocates_in_a_ring_and_reuses_freed_space() -> None:
         a.alloc(4097)
 
 
+def test_arena_takes_back_the_newest_block_too_and_splits_into_two_rings() -> None:
+    """A block freed at the newest end comes back at once (a part sent early while a later
+    batch still holds the oldest block); once split, the device's ring full of batches not
+    sent yet does not stop the courier's ring, and each waits only on its own."""
+    a = Arena(4 * 1024)
+    oldest, new = a.alloc(1024), a.alloc(1024)
+    a.free(new)
+    assert a.alloc(2048) == new == oldest + 1024  # right after the oldest, not blocked behind it
+    b = Arena(4 * 1024)
+    b.split(0.75)
+    d1 = b.empty([((256,), torch.float32)])[1]  # 1 KiB: the device's ring holds 3
+    b.empty([((512,), torch.float32)])
+    with pytest.raises(ArenaFull):  # full, nothing sent
+        b.empty([((256,), torch.float32)])
+    assert b.alloc(1024) == HEADER + 3072  # the courier's ring: its own KiB
+    with pytest.raises(ValueError, match="of 1024 bytes"):
+        b.alloc(2048)
+    b.free(d1)
+    assert b.empty([((256,), torch.float32)])[1] == HEADER
+
+
 def test_arena_alloc_waits_for_a_free_and_wakes_with_writergone_on_close() -> None:
     a = Arena(2 * ALIGN)
     first = a.alloc(ALIGN)
