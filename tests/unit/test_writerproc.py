@@ -344,3 +344,63 @@ def test_no_writer_process_possible_means_writer_threads(env, tmp_path, monkeypa
     assert any("cannot start the writer process ([Errno 12] Cannot allocate memory)" in m for m in logs), logs
     got = load_shards(out)
     assert all(torch.equal(got[s][k], v) for s, t in reference.items() for k, v in t.items())
+
+
+class _DeviceLike(SharedBackend):
+    """The hf backend's CUDA path, on the CPU (the copy into `host_empty`'s buffers stands in
+    for the device-to-host copy): the states land in the writer process's device ring when it
+    has room, and stay in the backend's own memory (copied in by the courier) when it has not."""
+
+    def __init__(self, inner: HFBackend):
+        super().__init__(inner)
+        self.landed = {"ring": 0, "own": 0}
+
+    def extract_async(self, samples, host_empty=None):
+        from extraction.backends.base import SampleStates
+        from extraction.backends.hf import PendingStates
+
+        final, aux, lengths = self.inner.forward_states(samples)
+        bufs = (
+            host_empty([(tuple(final.shape), final.dtype), (tuple(aux.shape), aux.dtype)])
+            if host_empty
+            else None
+        )
+        self.landed["own" if bufs is None else "ring"] += 1
+        if bufs is not None:
+            bufs[0].copy_(final)
+            bufs[1].copy_(aux)
+            final, aux = bufs
+        results = [
+            SampleStates(s.sample_id, s.input_ids, final[row, :n], aux[row, :n])
+            for row, (s, n) in enumerate(zip(samples, lengths, strict=True))
+        ]
+        pending = PendingStates(results, None)
+        pending.wait = lambda: (time.sleep(0.1), results)[1]  # the courier waits: batches pile up unsent
+        return pending
+
+
+def test_the_device_ring_and_its_fallback_write_the_same_bits(env, tmp_path, monkeypatch) -> None:
+    """The GPU path's buffer logic without a GPU: the buffer split into the device's ring and
+    the courier's, a device ring too small for all the batches in flight (some go through the
+    backend's own memory and the courier's ring): every shard the same, bit for bit."""
+    from extraction import runner as runner_mod
+
+    model, ds, backend, _ = env
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    monkeypatch.setenv("HSX_WRITER", "thread")
+    assert run(make_cfg(model, ds, ref, batch_size=2), backend) == EXIT_OK
+    monkeypatch.setenv("HSX_WRITER", "process")
+
+    def pin(self):  # what _pin_writer_buffer does on a GPU once cudaHostRegister succeeded
+        self.writer_proc.arena.split(runner_mod.DEVICE_BUFFER_SHARE)
+        self._host_empty_ok = True
+
+    monkeypatch.setattr(Runner, "_pin_writer_buffer", pin)
+    batch = 2 * 40 * 4 * 64 * 4  # 2 samples of <= 40 tokens, hidden + 3 layers, fp32
+    monkeypatch.setattr("extraction.runner.writer_buffer_bytes", lambda *a: 3 * batch)
+    device_like = _DeviceLike(backend.inner)
+    assert run(make_cfg(model, ds, out, batch_size=2), device_like) == EXIT_OK
+    assert device_like.landed["ring"] > 0 and device_like.landed["own"] > 0, device_like.landed
+    got, want = load_shards(out), load_shards(ref)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[s][k], want[s][k]) for s in want for k in want[s])
