@@ -198,7 +198,7 @@ def forward_cpu_threads(cores: int, writer_threads: int) -> int:
 def writer_buffer_bytes(batch_size: int, max_tokens: int, token_bytes: int) -> int:
     """The writer process's shared buffer: WRITER_BUFFER_BATCHES batches at their longest, at
     least two samples at their longest, never more than WRITER_BUFFER_MAX or an eighth of the
-    memory (it is pinned on a GPU host). A sample too long for it fails alone, saying so."""
+    memory (it is pinned on a GPU host). A sample too long for it is published by the runner."""
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
@@ -259,6 +259,7 @@ class Runner:
         self._in_writer: dict[int, tuple[_Work, list[int]]] = {}  # batch id -> (batch, blocks it frees)
         self._in_writer_lock = threading.Lock()
         self._host_empty_ok = False  # the backend's host buffers may come from the writer's buffer
+        self._published_here = 0  # samples too long for the writer's buffer, published by this process
         self.batch_q: queue.Queue = queue.Queue(
             maxsize=tokenize_ahead_batches(cfg.batch_size, cfg.max_length)
         )
@@ -954,7 +955,7 @@ class Runner:
                             wire, blocks = [], []
                             hidden, aux = self._shared(st, blocks)
                     except (ValueError, ArenaFull) as e:  # longer than the buffer (no --max-length)
-                        self._sample_failed(s, f"write failed: {e}; set --max-length")
+                        self._publish_here(work, s, st, e)
                         continue
                     wire.append(
                         (s.sample_id, s.input_ids.numpy(), s.loss_mask.numpy(), hidden, aux, st.finite)
@@ -981,6 +982,22 @@ class Runner:
             except Exception:  # a device error: nothing is copying any more
                 pass
         self._free(work.allocs)
+
+    def _publish_here(self, work: _Work, sample: Sample, st: SampleStates, why: Exception) -> None:
+        """A sample too long for the writer's buffer, published by this process beside the writer
+        process (temp names carry the pid; index lines are appended whole, with O_APPEND)."""
+        if not self._published_here:
+            self.log(f"sample {sample.sample_id!r}: {why}: published by the runner itself (set --max-length)")
+        self._published_here += 1
+        item = Item(
+            sample.sample_id,
+            sample.input_ids,
+            sample.loss_mask,
+            st.hidden_state,
+            st.aux_hidden_state,
+            st.finite,
+        )
+        self._apply(work, self.publisher.publish([item], 1, self._stopped_writing))
 
     def _submit(self, work: _Work, wire: list[tuple[Any, ...]], blocks: list[int]) -> None:
         """Send (part of) a batch; its outcome will free `blocks`."""
