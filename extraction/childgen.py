@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-_HEADER = struct.Struct("<Q")
+FRAME = struct.Struct("<Q")  # a message: its pickle's length, then the pickle
 _ITEM, _END, _FAILED = 0, 1, 2
 
 
@@ -56,10 +56,10 @@ class ChildGenerator:
         read = self._file.read
         try:
             while True:
-                head = read(_HEADER.size)
-                if len(head) < _HEADER.size:
+                head = read(FRAME.size)
+                if len(head) < FRAME.size:
                     raise ChildFailed(f"the child process ended without finishing ({self._collect()})")
-                (n,) = _HEADER.unpack(head)
+                (n,) = FRAME.unpack(head)
                 payload = read(n)
                 if len(payload) < n:
                     raise ChildFailed(f"the child process ended mid-message ({self._collect()})")
@@ -91,16 +91,20 @@ class ChildGenerator:
         """Wait for the child (once) and say how it ended."""
         with self._lock:
             if self.pid is not None:
-                try:
-                    _, status = os.waitpid(self.pid, 0)
-                except ChildProcessError:  # collected by someone else's wait()
-                    status = 0
+                self._status = reap(self.pid)
                 self.pid = None
-                if os.WIFSIGNALED(status):
-                    self._status = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-                else:
-                    self._status = f"exit status {os.WEXITSTATUS(status)}"
             return self._status
+
+
+def reap(pid: int) -> str:
+    """Wait for a child process and say how it ended ("exit status N", "killed by SIGKILL")."""
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:  # collected by someone else's wait()
+        status = 0
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit status {os.WEXITSTATUS(status)}"
 
 
 def _child(make_items: Callable[[], Iterable[Any]], w: int) -> None:
@@ -128,7 +132,12 @@ def _child(make_items: Callable[[], Iterable[Any]], w: int) -> None:
 
 
 def _send(w: int, kind: int, value: Any) -> None:
-    payload = pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(_HEADER.pack(len(payload)) + payload)
+    send_message(w, (kind, value))
+
+
+def send_message(fd: int, message: Any) -> None:
+    """Write one framed message (FRAME) to a pipe, whole."""
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(FRAME.pack(len(payload)) + payload)
     while view:
-        view = view[os.write(w, view) :]
+        view = view[os.write(fd, view) :]

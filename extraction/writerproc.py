@@ -30,7 +30,6 @@ import mmap
 import os
 import pickle
 import signal
-import struct
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -39,13 +38,13 @@ from typing import Any
 import numpy
 import torch
 
+from extraction.childgen import FRAME, reap, send_message
 from extraction.publisher import BatchPublisher, Item, Outcome
 
 HEADER = 4096  # the arena's first page: flags the child reads before each shard
 ALIGN = 256
 FLAG_ABANDON = 0  # a second signal: publish nothing more
 FLAG_DRAIN = 1  # the forward pass has ended: more writer threads
-_FRAME = struct.Struct("<Q")
 _PIPE_BYTES = 1 << 20  # a batch's tokens in one pipe write (Linux's unprivileged maximum)
 _PR_SET_PDEATHSIG = 1
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
@@ -274,19 +273,12 @@ def copy_into(arena: Arena, *tensors: torch.Tensor) -> tuple[int, list[int]]:
     return block, offsets
 
 
-def _send(fd: int, message: Any) -> None:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(_FRAME.pack(len(payload)) + payload)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
 def _receive(f: Any) -> Any:
     """The next message, or None at the end of the pipe (the other side has gone)."""
-    head = f.read(_FRAME.size)
-    if len(head) < _FRAME.size:
+    head = f.read(FRAME.size)
+    if len(head) < FRAME.size:
         return None
-    (n,) = _FRAME.unpack(head)
+    (n,) = FRAME.unpack(head)
     payload = f.read(n)
     if len(payload) < n:
         return None
@@ -337,14 +329,14 @@ class WriterProcess:
         """Send a batch: (sample id, input_ids, loss_mask, hidden (offset, shape, dtype), aux
         (offset, shape, dtype), finite) per sample, the arrays as NumPy."""
         try:
-            _send(self._cmd, ("batch", batch_id, items))
+            send_message(self._cmd, ("batch", batch_id, items))
         except BrokenPipeError:
             raise WriterGone(f"the writer process has gone ({self.wait()})") from None
 
     def end(self) -> None:
         """No more batches: the child finishes what it has, says goodbye and exits."""
         try:
-            _send(self._cmd, ("end",))
+            send_message(self._cmd, ("end",))
         except OSError:
             pass
         finally:
@@ -377,15 +369,8 @@ class WriterProcess:
         """Collect the child (once) and say how it ended."""
         with self._lock:
             if self.pid is not None:
-                try:
-                    _, status = os.waitpid(self.pid, 0)
-                except ChildProcessError:
-                    status = 0
+                self._status = reap(self.pid)
                 self.pid = None
-                if os.WIFSIGNALED(status):
-                    self._status = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-                else:
-                    self._status = f"exit status {os.WEXITSTATUS(status)}"
             return self._status
 
     def close(self) -> None:
@@ -427,7 +412,7 @@ def _child(
         except BrokenPipeError:
             code = 1
         except BaseException as e:  # a bug: told to the parent, which ends the run as failed
-            _send(res_w, ("failed", f"{type(e).__name__}: {e}"))
+            send_message(res_w, ("failed", f"{type(e).__name__}: {e}"))
             code = 1
     except BaseException:
         code = 1
@@ -447,7 +432,7 @@ def _serve(
             if msg is None:  # the parent has gone
                 return
             if msg[0] == "end":
-                _send(res_w, ("bye",))
+                send_message(res_w, ("bye",))
                 return
             _, batch_id, wire = msg
             items = [
@@ -464,6 +449,6 @@ def _serve(
             n = max(threads, drain) if arena.flag(FLAG_DRAIN) else threads
             outcome = Outcome() if stopped() else publisher.publish(items, n, stopped)
             del items  # views of the arena: the parent reuses the space once it has the outcome
-            _send(res_w, ("done", batch_id, outcome))
+            send_message(res_w, ("done", batch_id, outcome))
     finally:
         publisher.close()
