@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from extraction import heap
 from extraction import layers as layer_mod
 from extraction.backends.base import Backend, Sample, SampleStates
 from extraction.childgen import ChildFailed, ChildGenerator
@@ -183,6 +184,14 @@ def _end_torn_index_line(output_dir: str) -> None:
         return
 
 
+def _minor_faults() -> float:
+    try:
+        import resource
+    except ImportError:  # not Unix
+        return 0.0
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
 def forward_cpu_threads(cores: int, writer_threads: int) -> int:
     """torch threads for a forward pass on the CPU: every core but one per writer thread and one
     for the tokenizer, where that leaves the forward >= 3/4 of the cores; else every core.
@@ -277,6 +286,8 @@ class Runner:
             "pipeline_end_at": 0.0,
             "ready_cpu_at": 0.0,  # process CPU seconds (all threads), for benchmarks
             "pipeline_end_cpu_at": 0.0,
+            "ready_faults_at": 0.0,  # this process's minor page faults so far, for benchmarks
+            "pipeline_end_faults_at": 0.0,
         }
 
     # ------------------------------------------------------------------ set-up
@@ -736,6 +747,9 @@ class Runner:
         status_thread = None
         # Tokenize the first batches while the model loads: the first planning window must be
         # tokenized whole before its first batch exists.
+        if self._cpu_forward_threads() is not None:
+            heap.keep_freed_memory()  # before the forks: the helpers keep theirs too
+        heap.release_free_memory()  # what the heap holds free now would be shared with the helpers
         self._start_writer_process()  # first: no thread of this run is running yet to fork beside
         self._start_producer()
         try:
@@ -749,6 +763,7 @@ class Runner:
             self._pin_writer_buffer()
             self.timings["ready_at"] = time.perf_counter()
             self.timings["ready_cpu_at"] = time.process_time()
+            self.timings["ready_faults_at"] = _minor_faults()
             self.timings["model_load_s"] = self.timings["ready_at"] - t0
             self._check_backend()
             self.reporter.set_state("running")
@@ -784,23 +799,28 @@ class Runner:
         self.reporter.write()
         return code
 
-    @contextlib.contextmanager
-    def _forward_threads(self) -> Iterator[None]:
-        """On a CPU device, torch's threads for the forward, restored after: --cpu-threads, else
-        OMP_NUM_THREADS's, else forward_cpu_threads' (at most the caller's setting)."""
+    def _cpu_forward_threads(self) -> int | None:
+        """torch's threads for a forward on a CPU device (None on another device): --cpu-threads,
+        else OMP_NUM_THREADS's, else forward_cpu_threads' (at most the caller's setting)."""
         cfg = self.cfg
         if cfg.backend != "hf" or not cfg.device.startswith("cpu"):
+            return None
+        if cfg.cpu_threads:
+            return cfg.cpu_threads
+        if os.environ.get("OMP_NUM_THREADS"):
+            return torch.get_num_threads()
+        # never more than the caller's: a process forked after OpenMP ran must keep 1 thread
+        return min(torch.get_num_threads(), forward_cpu_threads(fmt.usable_cores(), self.writer_threads))
+
+    @contextlib.contextmanager
+    def _forward_threads(self) -> Iterator[None]:
+        """On a CPU device, torch's threads for the forward (_cpu_forward_threads), restored after."""
+        threads = self._cpu_forward_threads()
+        if threads is None:
             yield
             return
         before = torch.get_num_threads()
-        cores = fmt.usable_cores()
-        if cfg.cpu_threads:
-            threads = cfg.cpu_threads
-        elif os.environ.get("OMP_NUM_THREADS"):
-            threads = before
-        else:  # never more than the caller's: a process forked after OpenMP ran must keep 1 thread
-            threads = min(before, forward_cpu_threads(cores, self.writer_threads))
-        self.log(f"forward on {threads} torch threads ({cores} cores here)")
+        self.log(f"forward on {threads} torch threads ({fmt.usable_cores()} cores here)")
         self.timings["forward_threads"] = threads
         torch.set_num_threads(threads)
         try:
@@ -1114,6 +1134,7 @@ class Runner:
                     writer.join(timeout=0.5)
             tm["pipeline_end_at"] = time.perf_counter()
             tm["pipeline_end_cpu_at"] = time.process_time()
+            tm["pipeline_end_faults_at"] = _minor_faults()
             tm["drain_s"] = tm["pipeline_end_at"] - t0
 
     def _finish(self) -> int:

@@ -269,6 +269,12 @@ def main() -> int:
         "default: the environment's",
     )
     ap.add_argument(
+        "--env",
+        default="",
+        help="NAME=v1,v2: variants of the runner with each value of an environment variable "
+        "(e.g. HSX_MALLOC_TRIM=0,1)",
+    )
+    ap.add_argument(
         "--model",
         default="own",
         help="comma list: own (the runner loads its model, as the CLI does), kept (the bench's "
@@ -327,29 +333,45 @@ def main() -> int:
             print("shard writer: torch.save (this code has no torchzip)")
         forward_only(backend, batches[:2], args.device)  # warm-up
         forward_copy(backend, batches[:2], args.device)
+        # On a CPU the runner keeps what malloc frees (extraction/heap.py), for its whole process,
+        # this one included: forward-only under glibc's own thresholds first, for the record.
+        untuned = (
+            [forward_only(backend, batches, args.device) for _ in range(2)] if args.device == "cpu" else []
+        )
         # Warm the runner path too (pinned host memory, page cache, the writer pool): a quarter run.
         runner_run(cfg_kw, work / "warm", limit=max(2 * args.batch_size, args.samples // 4))
         shutil.rmtree(work / "warm")
+        if untuned:
+            tuned = [forward_only(backend, batches, args.device) for _ in range(2)]
+            print(
+                f"forward-only under glibc's default malloc {min(untuned):.2f}s (best of 2); after the "
+                f"runner kept freed memory (extraction/heap.py: {runner_mod.heap.keep_freed_memory()}) "
+                f"{min(tuned):.2f}s: every side below runs with the runner's setting"
+            )
         modes = [m for m in args.tokenizer.split(",") if m] or [None]
         switches = [float(x) for x in args.switch_interval.split(",")] if args.switch_interval else [0.0]
         nulls = [False, True] if args.null_writer else [False]
         writers = [x for x in args.writer.split(",") if x] or [None]
         models = args.model.split(",")
+        env_name, _, env_values = args.env.partition("=")
+        env_variants = [x for x in env_values.split(",") if x] or [None]
         # side -> (writer threads, tokenizer mode or None, GIL switch interval or 0, null writer,
-        # writer mode, model)
+        # writer mode, model, --env value)
         variants = {
             f"B{w}"
             + (f"-{m}" if m else "")
             + (f"-si{si:g}" if si else "")
             + ("-null" if null else "")
             + (f"-w{wm}" if wm else "")
-            + ("-kept" if mo == "kept" else ""): (int(w), m, si, null, wm, mo)
+            + ("-kept" if mo == "kept" else "")
+            + (f"-env{pin}" if pin else ""): (int(w), m, si, null, wm, mo, pin)
             for w in args.writer_threads.split(",")
             for m in modes
             for si in switches
             for null in nulls
             for wm in writers
             for mo in models
+            for pin in env_variants
         }
         bkeys = list(variants)
         label = {
@@ -359,7 +381,8 @@ def main() -> int:
             + (" null writer" if null else "")
             + (f" writer-{wm}" if wm else "")
             + (" kept model" if mo == "kept" else "")
-            for k, (w, m, si, null, wm, mo) in variants.items()
+            + (f" {env_name}={pin}" if pin else "")
+            for k, (w, m, si, null, wm, mo, pin) in variants.items()
         }
         default_switch = sys.getswitchinterval()
         sides: dict[str, list[float]] = {k: [] for k in ["A", "A2", *bkeys, "C"]}
@@ -387,7 +410,9 @@ def main() -> int:
                 if not side.startswith("B"):
                     cpu[side].append(time.process_time() - c0)
                 else:
-                    runner_mod.WRITER_THREADS, mode, si, null, wmode, mo = variants[side]
+                    runner_mod.WRITER_THREADS, mode, si, null, wmode, mo, pin = variants[side]
+                    if pin:
+                        os.environ[env_name] = pin
                     if mode:
                         os.environ["HSX_TOKENIZER"] = mode
                     if wmode:
@@ -407,6 +432,7 @@ def main() -> int:
                         f"  runner, {label[side]}: {got[side]:.2f}s; whole run() {wall:.2f}s; "
                         + ", ".join(f"{k} {v:.2f}" for k, v in tm.items() if k.endswith("_s"))
                         + (f", forward threads {tm['forward_threads']}" if "forward_threads" in tm else "")
+                        + f", minor faults {tm['pipeline_end_faults_at'] - tm['ready_faults_at']:.0f}"
                     )
             for k, v in got.items():
                 sides[k].append(v)
