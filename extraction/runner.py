@@ -745,11 +745,11 @@ class Runner:
         self.reporter.set_state("starting", "loading the model")
         self.reporter.write()
         status_thread = None
-        # Tokenize the first batches while the model loads: the first planning window must be
-        # tokenized whole before its first batch exists.
         if self._cpu_forward_threads() is not None:
             heap.keep_freed_memory()  # before the forks: the helpers keep theirs too
         heap.release_free_memory()  # what the heap holds free now would be shared with the helpers
+        # Tokenize the first batches while the model loads: the first planning window must be
+        # tokenized whole before its first batch exists.
         self._start_writer_process()  # first: no thread of this run is running yet to fork beside
         self._start_producer()
         try:
