@@ -1139,6 +1139,13 @@ class Runner:
 
     def _finish(self) -> int:
         r = self.reporter
+        if self.abort is not None and self.pause is not None:
+            # A failure after (or beside) a pause: a job unit that retries a pause would retry
+            # the failure forever, and "free space" would be the wrong advice.
+            msg = f"{self.abort} (the run had also paused: {self.pause})"
+            r.set_state("failed", msg)
+            self.log(f"aborting: {msg}")
+            return EXIT_FAILED
         if self.pause is not None:
             free = self.guard.last_free
             msg = (

@@ -403,6 +403,28 @@ def test_a_writer_bug_ends_the_run_instead_of_hanging_it(
     assert r.exit_code == 0 and r.ok == len(index)
 
 
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_writer_bug_after_a_pause_fails_the_run(
+    tiny_model_dir, dataset, backend, tmp_path, monkeypatch, writer
+) -> None:
+    """A pause exits 75, which a job unit retries once space is freed; a bug beside it must not
+    hide behind it: failed (exit 1), the status saying both."""
+    from extraction.diskguard import DiskLow
+
+    monkeypatch.setenv("HSX_WRITER", writer)
+
+    def pause_then_break(self, work, outcome):
+        self._pause(DiskLow(free=1, reserve=2, needed=3, path=str(tmp_path)))
+        raise RuntimeError("bug in the bookkeeping")
+
+    monkeypatch.setattr(Runner, "_apply", pause_then_break)
+    out = tmp_path / "o"
+    assert _run_unless_hung(make_cfg(tiny_model_dir, dataset, out, batch_size=1), backend) == EXIT_FAILED
+    status = read_status(str(out))
+    assert status["state"] == "failed", status
+    assert "bug in the bookkeeping" in status["message"] and "disk low" in status["message"], status
+
+
 def test_all_finite_runs_no_torch_op() -> None:
     """The writer threads' NaN check must not start an OpenMP team beside the forward pass's:
     nothing but views goes through torch's dispatcher."""
