@@ -29,6 +29,7 @@ import hashlib
 import importlib
 import itertools
 import json
+import math
 import operator
 import os
 import re
@@ -1253,11 +1254,76 @@ _FORK_MIN_QUICK = 1000  # below this many files a `quick` run is faster than for
 
 
 def usable_cores() -> int:
-    """Cores this process may run on: its affinity (a container's or taskset's share), not the host's."""
+    """Cores this process may use: its affinity (taskset, a cpuset), capped by a CFS quota (a
+    container's --cpus, a k8s CPU limit, systemd's CPUQuota=) rounded up; not the host's count.
+
+    A quota leaves every core visible and lets the process run only so many core-seconds a
+    period: threads sized by the affinity alone then queue for the quota and stall each other."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    return cores if limit is None else max(1, min(cores, math.ceil(limit - 1e-9)))
+
+
+def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs' worth a CFS quota allows this process (the tightest of its cgroup and the cgroups
+    above it, v2 `cpu.max` or v1 `cpu.cfs_quota_us`), or None where none is set or readable."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2, unified: <root>/<path>/cpu.max, "max 100000" or "150000 100000"
+            limits += _quota_walk(root, path, _v2_limit)
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own mount
+            for mount in (os.path.join(root, controllers), os.path.join(root, "cpu")):
+                if os.path.isdir(mount):
+                    limits += _quota_walk(mount, path, _v1_limit)
+                    break
+    return min(limits) if limits else None
+
+
+def _quota_walk(mount: str, path: str, read: Callable[[str], float | None]) -> list[float]:
+    """The limits set on `path`'s cgroup and its parents under `mount`. Inside a container the
+    path may be the host's view, absent there, and the mount the container's own cgroup: the
+    walk up ends at the mount all the same."""
+    rel = path.strip("/")
+    found = []
+    while True:
+        limit = read(os.path.join(mount, rel))
+        if limit is not None:
+            found.append(limit)
+        if not rel:
+            return found
+        rel = os.path.dirname(rel)
+
+
+def _v2_limit(cgroup: str) -> float | None:
+    try:
+        with open(os.path.join(cgroup, "cpu.max")) as f:
+            quota, _, period = f.read().strip().partition(" ")
+        return None if quota == "max" else int(quota) / int(period or 100000)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _v1_limit(cgroup: str) -> float | None:
+    try:
+        with open(os.path.join(cgroup, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read().strip())
+        with open(os.path.join(cgroup, "cpu.cfs_period_us")) as f:
+            period = int(f.read().strip())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 def default_workers() -> int:

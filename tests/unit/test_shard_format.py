@@ -27,6 +27,7 @@ def test_format_module_imports_only_the_standard_library():
         "importlib",
         "itertools",
         "json",
+        "math",
         "operator",
         "os",
         "re",
