@@ -50,6 +50,7 @@ from extraction.dataset import (
     tokenizer_hash,
 )
 from extraction.diskguard import DiskGuard, DiskLow, estimate_shard_bytes
+from extraction.outputlock import OutputBusy, OutputLock
 from extraction.publisher import BatchPublisher, Item, Outcome, all_finite  # noqa: F401  (all_finite: tests)
 from extraction.shards import (
     DiskFullError,
@@ -264,6 +265,7 @@ class Runner:
         self.producer_child: ChildGenerator | None = None
         self.writer_threads = WRITER_THREADS or (1 if fmt.usable_cores() <= 4 else 2)
         self.writer_proc: WriterProcess | None = None
+        self.output_lock = OutputLock(cfg.output)
         self._allocs: list[int] = []  # writer-buffer blocks the batch in the forward has taken
         self._in_writer: dict[int, tuple[_Work, list[int]]] = {}  # batch id -> (batch, blocks it frees)
         self._in_writer_lock = threading.Lock()
@@ -388,6 +390,7 @@ class Runner:
         # Its tensors are small and the parent may have used the intra-op thread pool before the
         # fork (an OpenMP pool is not fork-safe): one thread, no parallel regions here.
         torch.set_num_threads(1)
+        self.output_lock.release()  # never writes there: a kill -9 of the runner frees the output at once
         for kind, value, pending in self._produce_items(tokenizer, windows, done):
             if kind == "batch":
                 value = [
@@ -685,6 +688,13 @@ class Runner:
         self.itemsize = _ITEMSIZE[self.manifest.dtype]
         self._check_extra(self.manifest)
         try:
+            os.makedirs(cfg.output, exist_ok=True)
+            self.output_lock.acquire()  # before anything here writes to the output or removes from it
+        except OutputBusy as e:
+            raise RunError(str(e), EXIT_FAILED) from None
+        except OSError as e:
+            raise RunError(f"--output {cfg.output}: {e}") from None
+        try:
             # The NaN/Inf check is the publisher's (Item.nonfinite): on the device when the backend can.
             self.writer = ShardWriter(cfg.output, self.manifest, check_finite=False)
         except ManifestMismatchError as e:
@@ -732,6 +742,17 @@ class Runner:
             self.log(f"{len(self.scan.errors)} malformed row(s) skipped (see {cfg.output}/{ERRORS_NAME})")
 
     def run(self) -> int:
+        """The whole run: prepare, extract, the exit status; the output's lock dropped after."""
+        try:
+            return self._run()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Drop the output directory's lock (after prepare() alone, say; run() does it itself)."""
+        self.output_lock.release()
+
+    def _run(self) -> int:
         try:
             self.prepare()
         except RunError as e:

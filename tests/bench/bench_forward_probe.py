@@ -63,6 +63,7 @@ class Probe:
         cfg = build_config({**self.cfg_kw, "output": str(work / "unused")})
         r = runner_mod.Runner(cfg, log=lambda _m: None)
         r.prepare()
+        r.close()
         self.backend.set_layers(r.layer_ids)
         shutil.rmtree(work / "unused")
         tok = ChatTokenizer(load_tokenizer(model), args.max_length)

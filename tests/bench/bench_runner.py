@@ -188,6 +188,7 @@ def resume_startup(model_dir: Path, work: Path, n: int, layers: str) -> dict:
     cfg = build_config(kw)
     r = Runner(cfg, log=lambda _m: None)
     r.prepare()  # writes run.json
+    r.close()
     hidden, k = r.manifest.hidden_size, r.manifest.num_aux
     w = ShardWriter(str(out), r.manifest)
     t = torch.zeros(8, dtype=torch.long)
@@ -216,6 +217,7 @@ def resume_startup(model_dir: Path, work: Path, n: int, layers: str) -> dict:
     t = time.perf_counter()
     r2 = Runner(build_config(kw), log=lambda _m: None)
     r2.prepare()
+    r2.close()
     prep = time.perf_counter() - t
     assert len(r2.done) == n, (len(r2.done), n)
     return {
@@ -307,6 +309,7 @@ def main() -> int:
         cfg = build_config({**cfg_kw, "output": str(work / "unused")})
         r0 = Runner(cfg, log=lambda _m: None)
         r0.prepare()
+        r0.close()
         backend.set_layers(r0.layer_ids)
         shutil.rmtree(work / "unused")
         params = sum(p.numel() for p in backend.model.parameters())

@@ -1,0 +1,65 @@
+"""One `hsx extract` per output directory: an flock on OUTPUT/extract.lock for the whole run.
+
+Why: two runners on one output (a manual run beside the job unit's, a unit restarted while its
+old process lives on) would each remove the other's temp files as orphans at start-up, publish
+the same samples twice and race on status.json. The second is refused instead, saying who holds
+the output.
+
+The lock belongs to the open file, not to a pid: the writer process, forked with the file open,
+holds it with the runner (it writes to the output too), and the kernel drops it when the last of
+them is gone, a kill -9 included, so there is never a stale lock to remove by hand. The file's
+text (pid, host, start) is only for the refusal's message.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+
+LOCK_NAME = "extract.lock"
+
+
+class OutputBusy(RuntimeError):
+    """Another runner holds the output directory."""
+
+
+class OutputLock:
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, LOCK_NAME)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock without waiting; OutputBusy (who holds it) if another runner has it."""
+        if self._fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+            os.close(fd)
+            raise OutputBusy(
+                f"{self.output_dir} is in use by another hsx extract ({holder or 'holder unknown'}); "
+                "one run per output directory"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        text = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, text.encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Close this process's copy of the file: the lock goes once no process has it open (a
+        forked child that never writes to the output calls this too; an unlock would drop the
+        lock for every process sharing it)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.release()

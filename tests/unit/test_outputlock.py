@@ -1,0 +1,88 @@
+"""One runner per output directory (extraction/outputlock.py), with the real runner and a real
+second process holding the lock."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hsx_run_helpers import SharedBackend, make_cfg, one_thread, run  # noqa: F401  (one_thread: autouse)
+
+from extraction.backends.hf import HFBackend
+from extraction.outputlock import LOCK_NAME, OutputBusy, OutputLock
+from extraction.runner import EXIT_FAILED, EXIT_OK, Runner
+from extraction.shards import format as fmt
+from extraction.tiny import write_tiny_dataset
+
+_HOLD = """
+import sys, time
+from extraction.outputlock import OutputLock
+lock = OutputLock(sys.argv[1])
+lock.acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir: Path) -> SharedBackend:
+    return SharedBackend(HFBackend(tiny_model_dir, [1, 3, 4], dtype="fp32"))
+
+
+@pytest.fixture
+def holder(tmp_path: Path):
+    """Another process holding the output (as a second runner would), until killed."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(out)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    yield out, proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_second_runner_is_refused_and_touches_nothing(tiny_model_dir, backend, tmp_path, holder) -> None:
+    out, proc = holder
+    ds = write_tiny_dataset(tmp_path / "d.jsonl", 4, seed=1)
+    orphan = out / ".s0.pt.1234.tmp"  # the holder's temp file in flight: must survive the refusal
+    orphan.write_bytes(b"in flight")
+    logs: list[str] = []
+    assert run(make_cfg(tiny_model_dir, ds, out), backend, logs) == EXIT_FAILED
+    assert f"is in use by another hsx extract (pid {proc.pid} on " in "\n".join(logs), logs
+    assert sorted(p.name for p in out.iterdir()) == sorted([LOCK_NAME, orphan.name])
+    proc.kill()
+    proc.wait()  # the holder gone (killed: no unlock of its own), the output is free
+    assert run(make_cfg(tiny_model_dir, ds, out), backend) == EXIT_OK
+    assert len(fmt.load_index(str(out))) == 4 and not orphan.exists()
+
+
+def test_the_lock_is_dropped_after_a_run_and_held_during_it(tiny_model_dir, backend, tmp_path) -> None:
+    ds = write_tiny_dataset(tmp_path / "d.jsonl", 4, seed=1)
+    out = tmp_path / "out"
+    seen: list[str] = []
+    inner = backend.extract
+
+    def probe(samples):  # mid-run: a second taker is refused
+        try:
+            OutputLock(str(out)).acquire()
+            seen.append("free")
+        except OutputBusy as e:
+            seen.append(str(e))
+        return inner(samples)
+
+    backend.extract = probe
+    runner = Runner(make_cfg(tiny_model_dir, ds, out, batch_size=4), lambda _c, _i: backend, lambda _m: None)
+    try:
+        assert runner.run() == EXIT_OK
+    finally:
+        backend.extract = inner
+    assert seen and all(f"(pid {os.getpid()} on " in s for s in seen), seen
+    lock = OutputLock(str(out))
+    lock.acquire()  # after the run, the runner still alive: free
+    lock.release()
