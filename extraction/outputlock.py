@@ -13,12 +13,14 @@ text (pid, host, start) is only for the refusal's message.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
 import time
 
 LOCK_NAME = "extract.lock"
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
 class OutputBusy(RuntimeError):
@@ -31,10 +33,12 @@ class OutputLock:
         self.path = os.path.join(output_dir, LOCK_NAME)
         self._fd: int | None = None
 
-    def acquire(self) -> None:
-        """Take the lock without waiting; OutputBusy (who holds it) if another runner has it."""
+    def acquire(self) -> str | None:
+        """Take the lock without waiting; OutputBusy (who holds it) if another runner has it.
+        Where the filesystem has no locks (some network and FUSE mounts) the run goes on without
+        one: the reason is returned, for the log."""
         if self._fd is not None:
-            return
+            return None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -45,6 +49,11 @@ class OutputLock:
                 f"{self.output_dir} is in use by another hsx extract ({holder or 'holder unknown'}); "
                 "one run per output directory"
             ) from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno in _NO_LOCKS:
+                return f"no lock on {self.path} ({e.strerror}): nothing stops a second run on this output"
+            raise
         except BaseException:
             os.close(fd)
             raise
@@ -52,6 +61,7 @@ class OutputLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, text.encode(), 0)
         self._fd = fd
+        return None
 
     def release(self) -> None:
         """Close this process's copy of the file: the lock goes once no process has it open (a

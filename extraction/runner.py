@@ -689,7 +689,11 @@ class Runner:
         self._check_extra(self.manifest)
         try:
             os.makedirs(cfg.output, exist_ok=True)
-            self.output_lock.acquire()  # before anything here writes to the output or removes from it
+            unlocked = (
+                self.output_lock.acquire()
+            )  # before anything here writes to the output or removes from it
+            if unlocked:
+                self.log(unlocked)
         except OutputBusy as e:
             raise RunError(str(e), EXIT_FAILED) from None
         except OSError as e:

@@ -86,3 +86,20 @@ def test_the_lock_is_dropped_after_a_run_and_held_during_it(tiny_model_dir, back
     lock = OutputLock(str(out))
     lock.acquire()  # after the run, the runner still alive: free
     lock.release()
+
+
+def test_a_filesystem_without_locks_runs_unlocked_saying_so(
+    tiny_model_dir, backend, tmp_path, monkeypatch
+) -> None:
+    import errno
+
+    from extraction import outputlock
+
+    def no_locks(_fd, _op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(outputlock.fcntl, "flock", no_locks)
+    ds = write_tiny_dataset(tmp_path / "d.jsonl", 2, seed=1)
+    logs: list[str] = []
+    assert run(make_cfg(tiny_model_dir, ds, tmp_path / "out"), backend, logs) == EXIT_OK
+    assert any("no lock on" in m and "No locks available" in m for m in logs), logs
