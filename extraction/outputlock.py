@@ -16,11 +16,22 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import socket
 import time
 
+from extraction.status import pid_alive
+
 LOCK_NAME = "extract.lock"
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+DEAD_HOLDER_WAIT_S = 30.0
+_HOLDER = re.compile(r"^pid (\d+) on (\S+) ")
+
+
+def _recorded_dead(holder: str) -> bool:
+    """The lock file names a process of this host that no longer exists."""
+    m = _HOLDER.match(holder)
+    return bool(m) and pid_alive(int(m.group(1)), m.group(2)) is False
 
 
 class OutputBusy(RuntimeError):
@@ -33,22 +44,35 @@ class OutputLock:
         self.path = os.path.join(output_dir, LOCK_NAME)
         self._fd: int | None = None
 
-    def acquire(self) -> str | None:
-        """Take the lock without waiting; OutputBusy (who holds it) if another runner has it.
+    def acquire(self, dead_holder_wait: float = DEAD_HOLDER_WAIT_S) -> str | None:
+        """Take the lock without waiting on a live runner: OutputBusy (who holds it) if one has it.
+        A holder recorded as dead on this host (a runner just killed -9, its writer process still
+        being torn down by the kernel) is waited for, up to `dead_holder_wait` seconds.
         Where the filesystem has no locks (some network and FUSE mounts) the run goes on without
         one: the reason is returned, for the log."""
         if self._fd is not None:
             return None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
-            os.close(fd)
-            raise OutputBusy(
-                f"{self.output_dir} is in use by another hsx extract ({holder or 'holder unknown'}); "
-                "one run per output directory"
-            ) from None
+            deadline = time.monotonic() + dead_holder_wait
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+                    if _recorded_dead(holder) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                        continue
+                    gone = (
+                        " (exited; a process it forked still has the output open)"
+                        if _recorded_dead(holder)
+                        else ""
+                    )
+                    raise OutputBusy(
+                        f"{self.output_dir} is in use by another hsx extract ({holder or 'holder unknown'}{gone}); "
+                        "one run per output directory"
+                    ) from None
         except OSError as e:
             os.close(fd)
             if e.errno in _NO_LOCKS:
@@ -57,10 +81,13 @@ class OutputLock:
         except BaseException:
             os.close(fd)
             raise
-        text = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, text.encode(), 0)
         self._fd = fd
+        text = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
+        try:  # for a refusal's message only: a full disk must not cost the lock
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, text.encode(), 0)
+        except OSError:
+            pass
         return None
 
     def release(self) -> None:

@@ -15,6 +15,7 @@ run writes bit-identical tensors to an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import inspect
@@ -449,14 +450,11 @@ class Runner:
         ended, the batches left are published by up to DRAIN_WRITER_THREADS threads (the drain)."""
         try:
             self._write_loop(work_q)
-        except BaseException as e:  # a bug, not a disk: stop the run, and never leave the forward
-            reason = f"the writer failed: {type(e).__name__}: {e}"  # thread blocked on a full queue
-            if self.abort is None:
-                self.abort = reason
+        except BaseException as e:  # stop the run, and never leave the forward thread blocked
+            self._writer_failed(e)  # on a full queue
             self.stop_event.set()
             while work_q.get() is not None:  # the forward thread puts None last
                 pass
-            self.log(reason)
         finally:
             self.publisher.close()
 
@@ -527,6 +525,18 @@ class Runner:
             self.reporter.free_bytes = (self.reporter.free_bytes or 0) - entry.size
             if self.bar is not None:
                 self.bar.update(1)
+
+    def _writer_failed(self, e: BaseException) -> str:
+        """The publishing side raised: a full disk (its bookkeeping's writes, errors.jsonl say) is
+        a pause like any other; anything else a bug that fails the run. The reason, logged."""
+        reason = f"the writer failed: {type(e).__name__}: {e}"
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            self._pause(e if isinstance(e, DiskFullError) else DiskFullError(e.errno, reason))
+            return reason
+        if self.abort is None:
+            self.abort = reason
+        self.log(reason)
+        return reason
 
     def _pause(self, reason: DiskLow | DiskFullError) -> None:
         if isinstance(reason, DiskLow):
@@ -696,8 +706,9 @@ class Runner:
                 self.log(unlocked)
         except OutputBusy as e:
             raise RunError(str(e), EXIT_FAILED) from None
-        except OSError as e:
-            raise RunError(f"--output {cfg.output}: {e}") from None
+        except OSError as e:  # a full disk is a pause here too: the job unit leaves it to a person
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise RunError(f"--output {cfg.output}: {e}", EXIT_PAUSED if full else EXIT_USAGE) from None
         try:
             # The NaN/Inf check is the publisher's (Item.nonfinite): on the device when the backend can.
             self.writer = ShardWriter(cfg.output, self.manifest, check_finite=False)
@@ -1007,11 +1018,7 @@ class Runner:
                     )
                 self._submit(work, wire, blocks + work.allocs)  # its last part frees the whole batch's
         except BaseException as e:  # never leave the forward thread blocked on a full queue
-            reason = str(e) if isinstance(e, WriterGone) else f"the writer failed: {type(e).__name__}: {e}"
-            if not isinstance(e, WriterGone):
-                if self.abort is None:
-                    self.abort = reason
-                self.log(reason)
+            reason = str(e) if isinstance(e, WriterGone) else self._writer_failed(e)
             self.stop_event.set()
             wp.arena.close(reason)  # a forward waiting for space: no batch will free any now
             while (work := work_q.get()) is not None:
@@ -1081,10 +1088,13 @@ class Runner:
                 self._free(blocks)
                 self._apply(work, outcome)
         except BaseException as e:
-            reason = str(e) if isinstance(e, WriterGone) else f"the writer failed: {type(e).__name__}: {e}"
-            if self.abort is None:
-                self.abort = reason
-            self.log(reason)
+            if isinstance(e, WriterGone):
+                reason = str(e)
+                if self.abort is None:
+                    self.abort = reason
+                self.log(reason)
+            else:
+                reason = self._writer_failed(e)
             self.stop_event.set()
             wp.arena.close(reason)
             wp.kill()
@@ -1165,8 +1175,9 @@ class Runner:
     def _finish(self) -> int:
         r = self.reporter
         if self.abort is not None and self.pause is not None:
-            # A failure after (or beside) a pause: a job unit that retries a pause would retry
-            # the failure forever, and "free space" would be the wrong advice.
+            # A failure beside a pause (a full disk's own failures are pauses: _writer_failed): the
+            # job unit restarts a failure and leaves a pause to a person, whose "free space" would
+            # be the wrong advice. The restart finds the disk as it is and pauses again if need be.
             msg = f"{self.abort} (the run had also paused: {self.pause})"
             r.set_state("failed", msg)
             self.log(f"aborting: {msg}")

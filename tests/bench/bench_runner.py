@@ -283,6 +283,14 @@ def main() -> int:
         "loaded model, warm like forward-only's)",
     )
     ap.add_argument(
+        "--marginal",
+        action="store_true",
+        help="also time forward-only and each runner variant over the first quarter of the samples "
+        "(whole planning windows) and report the ratio of the differences: the steady state, "
+        "without what a run pays once (the first window's tokenizing, the working set's first faults, "
+        "the drain)",
+    )
+    ap.add_argument(
         "--sides", default="A,A2,B,C", help="which sides to time, e.g. A,B (B: the runner variants)"
     )
     args = ap.parse_args()
@@ -313,11 +321,12 @@ def main() -> int:
         backend.set_layers(r0.layer_ids)
         shutil.rmtree(work / "unused")
         params = sum(p.numel() for p in backend.model.parameters())
-        batches = list(
-            iter_batches_for_bench(
-                cfg, scan_dataset(ds).entries, ChatTokenizer(load_tokenizer(model_dir), args.max_length)
-            )
-        )
+        entries = scan_dataset(ds).entries
+        tok = ChatTokenizer(load_tokenizer(model_dir), args.max_length)
+        batches = list(iter_batches_for_bench(cfg, entries, tok))
+        window = args.batch_size * runner_mod.WINDOW_BATCHES
+        part = max(window, args.samples // 4 // window * window)  # whole windows: the same batches
+        part_batches = list(iter_batches_for_bench(cfg, entries[:part], tok)) if args.marginal else []
         tokens = sum(int(s.input_ids.numel()) for b in batches for s in b)
         print(
             f"model: hidden {args.hidden}, {args.layers} layers, {params / 1e6:.1f}M params, {args.dtype} on {args.device}, "
@@ -391,6 +400,7 @@ def main() -> int:
         sides: dict[str, list[float]] = {k: [] for k in ["A", "A2", *bkeys, "C"]}
         skip = {"A2", "C"} - set(args.sides.split(","))  # not timed: reported as nan
         walls: dict[str, list[float]] = {k: [] for k in bkeys}
+        parts: dict[str, list[float]] = {k: [] for k in ["A", *bkeys]}  # --marginal: the first `part` samples
         cpu: dict[str, list[float]] = {k: [] for k in sides}  # process CPU seconds, all threads
         order = list(sides)
         for rnd in range(args.rounds):
@@ -405,6 +415,8 @@ def main() -> int:
                     continue
                 if side == "A":
                     got[side] = forward_only(backend, batches, args.device)
+                    if args.marginal:
+                        parts["A"].append(forward_only(backend, part_batches, args.device))
                 elif side == "A2":
                     got[side] = forward_copy(backend, batches, args.device)
                 elif side == "C":
@@ -429,6 +441,13 @@ def main() -> int:
                     finally:
                         sys.setswitchinterval(default_switch)
                     walls[side].append(wall)
+                    if args.marginal:
+                        with null_writer(null):
+                            t_part = runner_run(
+                                cfg_kw, work / f"part{rnd}", backend if mo == "kept" else None, limit=part
+                            )[0]
+                        parts[side].append(t_part)
+                        shutil.rmtree(work / f"part{rnd}")
                     cpu[side].append(tm["pipeline_end_cpu_at"] - tm["ready_cpu_at"])
                     shutil.rmtree(work / f"run{rnd}")
                     line.append(
@@ -470,6 +489,23 @@ def main() -> int:
                 + f"; median {statistics.median(per_round):.3f}x; CPU-time ratio (median) "
                 f"{statistics.median(cpu['A']) / statistics.median(cpu[k]):.3f}x"
             )
+        if args.marginal:
+            extra = [a - p for a, p in zip(sides["A"], parts["A"], strict=True)]
+            print(
+                f"marginal ({args.samples} - {part} samples): forward-only "
+                + ", ".join(f"{x:.2f}" for x in extra)
+                + "s"
+            )
+            for k in bkeys:
+                mine = [b - p for b, p in zip(sides[k], parts[k], strict=True)]
+                per_round = [a / b for a, b in zip(extra, mine, strict=True)]
+                print(
+                    f"runner/{label[k]} marginal vs forward-only, per round: "
+                    + ", ".join(f"{x:.3f}" for x in per_round)
+                    + f"; median {statistics.median(per_round):.3f}x; ratio of median differences "
+                    f"{statistics.median(extra) / statistics.median(mine):.3f}x (runner at {part} samples: "
+                    f"{statistics.median(parts[k]):.2f}s, forward-only {statistics.median(parts['A']):.2f}s)"
+                )
         b = min(min(sides[k]) for k in bkeys)
         print(f"runner samples/s {args.samples / b:.1f}, tokens/s {tokens / b:.0f} (best round)")
         if args.resume_shards:

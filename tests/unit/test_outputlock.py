@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from hsx_run_helpers import SharedBackend, make_cfg, one_thread, run  # noqa: F4
 
 from extraction.backends.hf import HFBackend
 from extraction.outputlock import LOCK_NAME, OutputBusy, OutputLock
-from extraction.runner import EXIT_FAILED, EXIT_OK, Runner
+from extraction.runner import EXIT_FAILED, EXIT_OK, EXIT_PAUSED, Runner
 from extraction.shards import format as fmt
 from extraction.tiny import write_tiny_dataset
 
@@ -103,3 +104,58 @@ def test_a_filesystem_without_locks_runs_unlocked_saying_so(
     logs: list[str] = []
     assert run(make_cfg(tiny_model_dir, ds, tmp_path / "out"), backend, logs) == EXIT_OK
     assert any("no lock on" in m and "No locks available" in m for m in logs), logs
+
+
+_DEAD_HOLDER = """
+import os, socket, sys, time
+from extraction.outputlock import OutputLock
+lock = OutputLock(sys.argv[1])
+lock.acquire()
+os.pwrite(lock._fd, f"pid {sys.argv[2]} on {socket.gethostname()} since then\\n".encode(), 0)
+os.ftruncate(lock._fd, len(f"pid {sys.argv[2]} on {socket.gethostname()} since then\\n"))
+print("held", flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_runner_just_killed_is_waited_for_not_refused(tiny_model_dir, backend, tmp_path) -> None:
+    """After a kill -9 the runner is gone but the kernel is still tearing its writer process down
+    (which has the lock file open): the resume waits for that instead of refusing."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    lingering = subprocess.Popen(
+        [sys.executable, "-c", _DEAD_HOLDER, str(out), str(_dead_pid()), "1.0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert lingering.stdout is not None and lingering.stdout.readline().strip() == "held"
+        ds = write_tiny_dataset(tmp_path / "d.jsonl", 2, seed=1)
+        t = time.monotonic()
+        assert run(make_cfg(tiny_model_dir, ds, out), backend) == EXIT_OK
+        assert lingering.poll() is not None, "the run went on while the output was still held"
+        assert time.monotonic() - t < 25
+    finally:
+        lingering.kill()
+        lingering.wait()
+
+
+def test_a_full_disk_at_the_lock_is_a_pause(tiny_model_dir, backend, tmp_path, monkeypatch) -> None:
+    import errno
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", self.path)
+
+    monkeypatch.setattr(OutputLock, "acquire", full)
+    ds = write_tiny_dataset(tmp_path / "d.jsonl", 2, seed=1)
+    logs: list[str] = []
+    assert run(make_cfg(tiny_model_dir, ds, tmp_path / "out"), backend, logs) == EXIT_PAUSED
+    assert any("No space left on device" in m for m in logs), logs

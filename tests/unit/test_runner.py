@@ -425,6 +425,28 @@ def test_a_writer_bug_after_a_pause_fails_the_run(
     assert "bug in the bookkeeping" in status["message"] and "disk low" in status["message"], status
 
 
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_full_disk_in_the_writers_bookkeeping_is_a_pause(
+    tiny_model_dir, dataset, backend, tmp_path, monkeypatch, writer
+) -> None:
+    """ENOSPC from the publishing side's own writes (errors.jsonl, say) pauses the run (75: free
+    space), as a full disk while publishing a shard does; it is not a bug that fails it."""
+    import errno
+
+    monkeypatch.setenv("HSX_WRITER", writer)
+
+    def full(self, work, outcome):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Runner, "_apply", full)
+    out = tmp_path / "o"
+    assert _run_unless_hung(make_cfg(tiny_model_dir, dataset, out, batch_size=1), backend) == EXIT_PAUSED
+    status = read_status(str(out))
+    assert status["state"] == "paused: disk low" and "No space left on device" in status["message"], status
+    r = verify_output(str(out), "deep")
+    assert r.exit_code == 0
+
+
 def test_all_finite_runs_no_torch_op() -> None:
     """The writer threads' NaN check must not start an OpenMP team beside the forward pass's:
     nothing but views goes through torch's dispatcher."""
