@@ -195,6 +195,22 @@ def env(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     return tiny_model_dir, ds, backend, load_shards(ref)
 
 
+def _at_publish_call(monkeypatch, n: int, act) -> dict[str, int]:
+    """BatchPublisher.publish doing `act()` at its n-th call, in the writer process (patched
+    before the fork); the call count, which stays 0 here when the calls were the child's."""
+    publish = BatchPublisher.publish
+    calls = {"n": 0}
+
+    def counted(self, items, threads, stopped):
+        calls["n"] += 1
+        if calls["n"] == n:
+            act()
+        return publish(self, items, threads, stopped)
+
+    monkeypatch.setattr(BatchPublisher, "publish", counted)
+    return calls
+
+
 def test_the_writer_process_killed_mid_run_fails_the_run_cleanly_and_resume_completes(
     env, tmp_path, monkeypatch
 ) -> None:
@@ -203,15 +219,7 @@ def test_the_writer_process_killed_mid_run_fails_the_run_cleanly_and_resume_comp
     are whole, and the next run completes the rest, bit for bit."""
     model, ds, backend, reference = env
     publish = BatchPublisher.publish
-    calls = {"n": 0}
-
-    def dies_at_the_third(self, items, threads, stopped):  # in the child (patched before the fork)
-        calls["n"] += 1
-        if calls["n"] == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return publish(self, items, threads, stopped)
-
-    monkeypatch.setattr(BatchPublisher, "publish", dies_at_the_third)
+    _at_publish_call(monkeypatch, 3, lambda: os.kill(os.getpid(), signal.SIGKILL))
     out = tmp_path / "out"
     logs: list[str] = []
     assert run(make_cfg(model, ds, out, batch_size=1), backend, logs) == EXIT_FAILED
@@ -231,16 +239,11 @@ def test_the_writer_process_killed_mid_run_fails_the_run_cleanly_and_resume_comp
 
 def test_a_bug_in_the_writer_process_fails_the_run_with_its_reason(env, tmp_path, monkeypatch) -> None:
     model, ds, backend, _ = env
-    publish = BatchPublisher.publish
-    calls = {"n": 0}
 
-    def second_fails(self, items, threads, stopped):  # runs in the child (patched before the fork)
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("bug in the publisher")
-        return publish(self, items, threads, stopped)
+    def bug() -> None:
+        raise RuntimeError("bug in the publisher")
 
-    monkeypatch.setattr(BatchPublisher, "publish", second_fails)
+    calls = _at_publish_call(monkeypatch, 2, bug)
     out = tmp_path / "out"
     logs: list[str] = []
     assert run(make_cfg(model, ds, out, batch_size=2), backend, logs) == EXIT_FAILED
