@@ -17,6 +17,9 @@ ratios A/B (the target), A2/B and C/B, and the load average.
 
   python tests/bench/bench_runner.py                          # CPU, tiny model
   python tests/bench/bench_runner.py --tokenizer thread,process --sides A,B   # both tokenizers, interleaved
+  python tests/bench/bench_runner.py --samples 1536 --dtype fp32 --sides A,B --marginal   # the steady state:
+      # each side also over the first quarter; the ratio of the differences leaves out what a run pays
+      # once (the first window's tokenizing, the working set's first page faults, the drain)
   python tests/bench/bench_runner.py --device cuda --dtype bf16 --hidden 2048 --layers 16 \\
       --capture auto --samples 1024 --batch-size 16 --max-length 1024   # GPU, ~1.2B params
 """
