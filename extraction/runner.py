@@ -699,9 +699,8 @@ class Runner:
         self._check_extra(self.manifest)
         try:
             os.makedirs(cfg.output, exist_ok=True)
-            unlocked = (
-                self.output_lock.acquire()
-            )  # before anything here writes to the output or removes from it
+            # before anything here writes to the output or removes from it
+            unlocked = self.output_lock.acquire()
             if unlocked:
                 self.log(unlocked)
         except OutputBusy as e:
