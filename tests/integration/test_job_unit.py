@@ -25,9 +25,10 @@ def deployed():
     lab("down", check=False)
 
 
-def use_output(path: str) -> None:
-    """Point the deployed job at a fresh output and restart it (a new run, from sample 0)."""
-    lab_ssh(HOST, f"sed -i 's#^output: .*#output: {path}#' /etc/hsx/extract.yaml && systemctl restart hsx-extraction")
+def use_output(path: str, dataset: str | None = None) -> None:
+    """Point the deployed job at a fresh output (and dataset) and restart it (a new run, from sample 0)."""
+    edit = f"s#^output: .*#output: {path}#" + (f"; s#^dataset: .*#dataset: {dataset}#" if dataset else "")
+    lab_ssh(HOST, f"sed -i '{edit}' /etc/hsx/extract.yaml && systemctl restart hsx-extraction")
 
 
 def status(output: str = "/data/hsx/output") -> dict:
@@ -54,9 +55,13 @@ def test_deployed_without_network_and_idempotent(deployed):
 
 
 def test_killed_job_is_restarted_and_resumes(deployed):
-    out = "/data/hsx/run-killed"
-    use_output(out)
-    wait_for(lambda: 16 <= (status(out).get("done") or 0) < 200, 300, "the job to be mid-run")
+    out, n = "/data/hsx/run-killed", 1000
+    # The lab's 256 samples take ~3 s now, one status update (every 3 s) from 0 to done: a run long
+    # enough to be caught mid-way (~12 s, ~320 MB of the 1 GB /data).
+    big = f"/data/datasets/tiny-{n}.jsonl"
+    lab_ssh(HOST, f"test -e {big} || /opt/hsx/venv/bin/hsx tiny-dataset {big} -n {n}")
+    use_output(out, big)
+    wait_for(lambda: 16 <= (status(out).get("done") or 0) < n - 200, 300, "the job to be mid-run")
     pid = lab_ssh(HOST, "systemctl show -p MainPID --value hsx-extraction").stdout.strip()
     lab_ssh(HOST, f"kill -9 {pid}")
     restarted = wait_for(lambda: (s := status(out)).get("pid") not in (None, int(pid)) and s, 120, "a restart")
