@@ -19,13 +19,27 @@ from extraction.shards import format as fmt
 from extraction.tiny import write_tiny_dataset
 
 _HOLD = """
-import sys, time
+import os, socket, sys, time
 from extraction.outputlock import OutputLock
 lock = OutputLock(sys.argv[1])
 lock.acquire()
+if len(sys.argv) > 3:  # another pid recorded as the holder: a runner killed since
+    os.ftruncate(lock._fd, 0)
+    os.pwrite(lock._fd, f"pid {sys.argv[3]} on {socket.gethostname()} since then\\n".encode(), 0)
 print("held", flush=True)
-time.sleep(120)
+time.sleep(float(sys.argv[2]))
 """
+
+
+def _holding(out: Path, seconds: float, recorded_pid: int | None = None) -> subprocess.Popen:
+    """Another process holding `out`'s lock for `seconds` (as a second runner would), once it holds it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-c", _HOLD, str(out), str(seconds)]
+    if recorded_pid is not None:
+        argv.append(str(recorded_pid))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +52,7 @@ def holder(tmp_path: Path):
     """Another process holding the output (as a second runner would), until killed."""
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _HOLD, str(out)], stdout=subprocess.PIPE, text=True, env=env
-    )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    proc = _holding(out, 120)
     yield out, proc
     proc.kill()
     proc.wait()
@@ -106,18 +116,6 @@ def test_a_filesystem_without_locks_runs_unlocked_saying_so(
     assert any("no lock on" in m and "No locks available" in m for m in logs), logs
 
 
-_DEAD_HOLDER = """
-import os, socket, sys, time
-from extraction.outputlock import OutputLock
-lock = OutputLock(sys.argv[1])
-lock.acquire()
-os.pwrite(lock._fd, f"pid {sys.argv[2]} on {socket.gethostname()} since then\\n".encode(), 0)
-os.ftruncate(lock._fd, len(f"pid {sys.argv[2]} on {socket.gethostname()} since then\\n"))
-print("held", flush=True)
-time.sleep(float(sys.argv[3]))
-"""
-
-
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
@@ -129,15 +127,8 @@ def test_a_runner_just_killed_is_waited_for_not_refused(tiny_model_dir, backend,
     (which has the lock file open): the resume waits for that instead of refusing."""
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    lingering = subprocess.Popen(
-        [sys.executable, "-c", _DEAD_HOLDER, str(out), str(_dead_pid()), "1.0"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    lingering = _holding(out, 1.0, recorded_pid=_dead_pid())
     try:
-        assert lingering.stdout is not None and lingering.stdout.readline().strip() == "held"
         ds = write_tiny_dataset(tmp_path / "d.jsonl", 2, seed=1)
         t = time.monotonic()
         assert run(make_cfg(tiny_model_dir, ds, out), backend) == EXIT_OK
