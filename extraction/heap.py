@@ -28,24 +28,26 @@ TRIM_THRESHOLD = 1 << 30
 _done: bool | None = None
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library when it is glibc and tuning is wanted (HSX_MALLOC_TUNE != 0)."""
+    if os.environ.get("HSX_MALLOC_TUNE", "1") == "0":
+        return None
+    try:
+        return ctypes.CDLL(None) if os.confstr("CS_GNU_LIBC_VERSION") else None
+    except (ValueError, OSError, AttributeError):  # no confstr name (macOS), not glibc (musl)
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process; True where they now are."""
     global _done
-    if _done is not None:
-        return _done
-    _done = False
-    if os.environ.get("HSX_MALLOC_TUNE", "1") == "0":
-        return False
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return False
-        mallopt = ctypes.CDLL(None).mallopt
-    except (ValueError, OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    )
+    if _done is None:
+        libc = _glibc()
+        _done = (
+            libc is not None
+            and bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+            and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        )
     return _done
 
 
@@ -53,10 +55,6 @@ def release_free_memory() -> None:
     """Hand what malloc holds free back to the kernel (malloc_trim) before a fork: pages left in
     the heap would be shared with the child, and the forward's first write to each of them after
     the fork would copy it (a fault and a TLB flush across every thread of this process)."""
-    if os.environ.get("HSX_MALLOC_TUNE", "1") == "0":
-        return
-    try:
-        if os.confstr("CS_GNU_LIBC_VERSION"):
-            ctypes.CDLL(None).malloc_trim(0)
-    except (ValueError, OSError, AttributeError):
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -61,14 +61,11 @@ class OutputLock:
                     break
                 except BlockingIOError:
                     holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
-                    if _recorded_dead(holder) and time.monotonic() < deadline:
+                    dead = _recorded_dead(holder)
+                    if dead and time.monotonic() < deadline:
                         time.sleep(0.05)
                         continue
-                    gone = (
-                        " (exited; a process it forked still has the output open)"
-                        if _recorded_dead(holder)
-                        else ""
-                    )
+                    gone = " (exited; a process it forked still has the output open)" if dead else ""
                     raise OutputBusy(
                         f"{self.output_dir} is in use by another hsx extract ({holder or 'holder unknown'}{gone}); "
                         "one run per output directory"
