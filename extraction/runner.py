@@ -194,6 +194,27 @@ def _minor_faults() -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
+def thread_usage() -> tuple[float, int, int]:
+    """This thread's (CPU seconds, voluntary, involuntary context switches), for the timings:
+    a forward thread that waits on the GIL switches voluntarily, one that loses its core to
+    another task involuntarily. Zeros where the platform has no per-thread usage."""
+    try:
+        import resource
+
+        ru = resource.getrusage(resource.RUSAGE_THREAD)
+    except (ImportError, AttributeError, OSError):
+        return 0.0, 0, 0
+    return ru.ru_utime + ru.ru_stime, ru.ru_nvcsw, ru.ru_nivcsw
+
+
+def _record_usage(timings: dict[str, float], name: str, before: tuple[float, int, int]) -> None:
+    """Add this thread's usage since `before` to timings as NAME_cpu_s, NAME_vcsw, NAME_ivcsw."""
+    now = thread_usage()
+    timings[f"{name}_cpu_s"] = timings.get(f"{name}_cpu_s", 0.0) + now[0] - before[0]
+    timings[f"{name}_vcsw"] = timings.get(f"{name}_vcsw", 0) + now[1] - before[1]
+    timings[f"{name}_ivcsw"] = timings.get(f"{name}_ivcsw", 0) + now[2] - before[2]
+
+
 def forward_cpu_threads(cores: int, writer_threads: int) -> int:
     """torch threads for a forward pass on the CPU: every core but one per writer thread and one
     for the tokenizer, where that leaves the forward >= 3/4 of the cores; else every core.
@@ -237,6 +258,7 @@ class _Work:
     pending: set[str]
     results: list[SampleStates] = field(default_factory=list)
     ready: Callable[[], Any] | None = None  # blocks until the results' tensors are on the host
+    batch: tuple[torch.Tensor, torch.Tensor] | None = None  # the results' states are views of these
     allocs: list[int] = field(default_factory=list)  # its blocks of the writer process's buffer
 
 
@@ -415,6 +437,7 @@ class Runner:
     def _produce(self, items: Iterable[tuple[str, Any, Any]], out: queue.Queue) -> None:
         """Tokenizer thread: takes the items (tokenized here, or received from the tokenizer
         process) onto the batch queue, and applies row errors."""
+        usage = thread_usage()
         try:
             for kind, value, pending in items:
                 if self.stop_event.is_set():
@@ -438,6 +461,7 @@ class Runner:
                 self.stop_event.set()
         finally:
             out.put(None)
+            _record_usage(self.timings, "producer", usage)
 
     def _write(self, work_q: queue.Queue) -> None:
         """Writer thread: waits for each batch's copy to the host, publishes its shards
@@ -570,8 +594,9 @@ class Runner:
 
     def _try_extract(
         self, batch: list[Sample], shared: bool = True
-    ) -> tuple[list[SampleStates] | None, Callable[[], Any] | None, str, int]:
-        """Up to 1 + retries attempts with doubling backoff; (results, ready, last error, attempts).
+    ) -> tuple[list[SampleStates] | None, Callable[[], Any] | None, Any, str, int]:
+        """Up to 1 + retries attempts with doubling backoff; (results, ready, the batch's host
+        tensors or None (PendingStates.batch), last error, attempts).
 
         A backend with `extract_async` (hf) only queues the batch: `ready` then blocks until its
         states are on the host, and the writer thread calls it, so this thread goes on at once."""
@@ -583,19 +608,19 @@ class Runner:
             if attempt:
                 delay = self.cfg.retry_backoff * 2 ** (attempt - 1)
                 if self.stop_event.wait(delay):
-                    return None, None, reason or "stopped", attempt
+                    return None, None, None, reason or "stopped", attempt
             try:
-                ready = None
+                ready = states = None
                 if extract_async is not None:
                     handle = extract_async(batch)
-                    results, ready = handle.results, handle.wait
+                    results, ready, states = handle.results, handle.wait, getattr(handle, "batch", None)
                 else:
                     results = self.backend.extract(batch)
                 self._check_results(batch, results)
-                return results, ready, "", attempt + 1
+                return results, ready, states, "", attempt + 1
             except Exception as e:  # any backend failure is retried; the reason goes to errors.jsonl
                 reason = f"{type(e).__name__}: {e}"
-        return None, None, reason, self.cfg.retries + 1
+        return None, None, None, reason, self.cfg.retries + 1
 
     @staticmethod
     def _check_results(batch: list[Sample], results: list[SampleStates]) -> None:
@@ -620,10 +645,10 @@ class Runner:
         return tensors
 
     def _forward(self, work: _Work) -> _Work | None:
-        results, ready, reason, attempts = self._try_extract(work.samples)
+        results, ready, states, reason, attempts = self._try_extract(work.samples)
         if results is not None:
             self.consecutive_errors = 0
-            work.results, work.ready = results, ready
+            work.results, work.ready, work.batch = results, ready, states
             return work
         if self.stop_event.is_set() and self.abort is None and self.pause is None:
             return None  # interrupted while backing off
@@ -642,7 +667,7 @@ class Runner:
             if self.stop_event.is_set():
                 break
             # not in the writer's buffer: what this batch already holds there is not sent yet
-            res, ready, why, n = self._try_extract([s], shared=False)
+            res, ready, _, why, n = self._try_extract([s], shared=False)
             if res is not None and ready is not None:
                 try:
                     ready()
@@ -984,6 +1009,7 @@ class Runner:
         wp = self.writer_proc
         assert wp is not None
         self._batch_ids = itertools.count()
+        usage = thread_usage()
         try:
             while True:
                 work = work_q.get()
@@ -995,10 +1021,17 @@ class Runner:
                 if not self._wait_ready(work):
                     self._free(work.allocs)
                     continue
+                places = self._batch_into_buffer(work)
                 wire: list[tuple[Any, ...]] = []
                 blocks: list[int] = []
-                for s, st in zip(work.samples, work.results, strict=True):
+                for i, (s, st) in enumerate(zip(work.samples, work.results, strict=True)):
                     if s.sample_id not in work.pending:
+                        continue
+                    if places is not None and places[i] is not None:
+                        hidden, aux = places[i]
+                        wire.append(
+                            (s.sample_id, s.input_ids.numpy(), s.loss_mask.numpy(), hidden, aux, st.finite)
+                        )
                         continue
                     try:
                         try:
@@ -1024,6 +1057,55 @@ class Runner:
                 self._free_after_copies(work)
         finally:
             wp.end()
+            _record_usage(self.timings, "courier", usage)
+
+    def _batch_into_buffer(self, work: _Work) -> list[Any] | None:
+        """Copy a batch's two state tensors whole into one block of the writer's buffer (padding
+        and all): each result's (hidden, aux) place there as _shared gives it, None for a result
+        whose states are not the first rows of its row; None for the whole batch when the states
+        are in the buffer already (a GPU's device ring) or the batch does not fit it (_shared then
+        copies sample by sample).
+
+        Why: each NumPy copy and each torch call of this thread releases the GIL, and the CPU
+        forward (whose ops release it too) then waits to take it back: a copy per sample and
+        tensor made ~30 hand-overs a batch. Here: two copies, the rest integer arithmetic."""
+        if work.batch is None or not any(s.sample_id in work.pending for s in work.samples):
+            return None
+        arena = self.writer_proc.arena  # type: ignore[union-attr]
+        final, aux = work.batch
+        if arena.offset_of(final) is not None or not (final.is_contiguous() and aux.is_contiguous()):
+            return None
+        try:
+            block, (at_final, at_aux) = copy_into(arena, final, aux)
+        except (ArenaFull, ValueError):
+            return None
+        work.allocs.append(block)  # freed with the batch's last part, as the device's blocks are
+        (_, width, hidden), layers = final.shape, aux.shape[2]
+        row_final, row_aux = width * hidden * final.element_size(), width * layers * aux.element_size()
+        ptr_final, ptr_aux = final.data_ptr(), aux.data_ptr()
+        name_final = str(final.dtype).removeprefix("torch.")
+        name_aux = str(aux.dtype).removeprefix("torch.")
+        places: list[Any] = []
+        for row, st in enumerate(work.results):
+            h, a = st.hidden_state, st.aux_hidden_state
+            n = h.shape[0]
+            if (
+                h.data_ptr() != ptr_final + row * row_final
+                or a.data_ptr() != ptr_aux + row * row_aux
+                or tuple(h.shape) != (n, hidden)
+                or tuple(a.shape) != (n, layers)
+                or h.dtype != final.dtype
+                or a.dtype != aux.dtype
+            ):
+                places.append(None)
+                continue
+            places.append(
+                (
+                    (at_final + row * row_final, (n, hidden), name_final),
+                    (at_aux + row * row_aux, (n, layers), name_aux),
+                )
+            )
+        return places
 
     def _free_after_copies(self, work: _Work) -> None:
         """Free a batch's blocks that were never sent, once its copies into them are done."""
@@ -1080,6 +1162,7 @@ class Runner:
         the run as failed, and wakes a forward pass waiting for buffer space."""
         wp = self.writer_proc
         assert wp is not None
+        usage = thread_usage()
         try:
             for batch_id, outcome in wp.outcomes():
                 with self._in_writer_lock:
@@ -1097,6 +1180,8 @@ class Runner:
             self.stop_event.set()
             wp.arena.close(reason)
             wp.kill()
+        finally:
+            _record_usage(self.timings, "outcomes", usage)
 
     def _stop_producer(self) -> None:
         """Stop the tokenizer (process and thread; the thread may wait on a full queue) and join
@@ -1132,6 +1217,7 @@ class Runner:
             writer.start()
         tm = self.timings
         last_bar = 0.0
+        usage = thread_usage()
         try:
             while not self.stop_event.is_set():
                 t0 = time.perf_counter()
@@ -1157,6 +1243,7 @@ class Runner:
                     snap = self.reporter.snapshot_rates()
                     self.bar.set_postfix(tok_s=f"{snap[1]:.0f}", errors=self.reporter.errors, refresh=False)
         finally:
+            _record_usage(tm, "forward_thread", usage)
             t0 = time.perf_counter()
             self.forward_done.set()
             if self.writer_proc is not None:

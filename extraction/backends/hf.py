@@ -83,8 +83,12 @@ class PendingStates:
         event: torch.cuda.Event | None,
         finite: torch.Tensor | None = None,
         lengths: list[int] | None = None,
+        batch: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         self.results = results
+        # (final [B, W, H], aux [B, W, k*H]) on the host: each result's states are the first n
+        # rows of one row of these, so whoever moves them can move the batch in two copies
+        self.batch = batch
         self._event = event
         self._finite = finite  # [B, W] bool on the host: every state of that token is finite
         self._lengths = lengths
@@ -234,7 +238,7 @@ class HFBackend:
             )
             for row, (s, n) in enumerate(zip(samples, lengths, strict=True))
         ]
-        return PendingStates(results, event, finite, lengths)
+        return PendingStates(results, event, finite, lengths, (final, aux))
 
     def _copy_stream(self) -> torch.cuda.Stream:
         stream = getattr(self, "_d2h_stream", None)

@@ -57,12 +57,19 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+FORWARD_ONLY_USAGE: list[tuple[float, int, int]] = []  # the last forward_only's thread usage
+
+
 def forward_only(backend: HFBackend, batches, device: str) -> float:
+    u0 = runner_mod.thread_usage()
     t = time.perf_counter()
     for b in batches:
         backend.forward_states(b)
     sync(device)
-    return time.perf_counter() - t
+    took = time.perf_counter() - t
+    u1 = runner_mod.thread_usage()
+    FORWARD_ONLY_USAGE[:] = [(u1[0] - u0[0], u1[1] - u0[1], u1[2] - u0[2])]
+    return took
 
 
 def forward_copy(backend: HFBackend, batches, device: str) -> float:
@@ -418,6 +425,11 @@ def main() -> int:
                     continue
                 if side == "A":
                     got[side] = forward_only(backend, batches, args.device)
+                    cpu_s, vcsw, ivcsw = FORWARD_ONLY_USAGE[0]
+                    line.append(
+                        f"  forward-only's thread: cpu {cpu_s:.2f}s, context switches {vcsw} voluntary, "
+                        f"{ivcsw} involuntary"
+                    )
                     if args.marginal:
                         parts["A"].append(forward_only(backend, part_batches, args.device))
                 elif side == "A2":
@@ -458,6 +470,7 @@ def main() -> int:
                         + ", ".join(f"{k} {v:.2f}" for k, v in tm.items() if k.endswith("_s"))
                         + (f", forward threads {tm['forward_threads']}" if "forward_threads" in tm else "")
                         + f", minor faults {tm['pipeline_end_faults_at'] - tm['ready_faults_at']:.0f}"
+                        + "".join(f", {k} {v}" for k, v in tm.items() if k.endswith("csw"))
                     )
             for k, v in got.items():
                 sides[k].append(v)

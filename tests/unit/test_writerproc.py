@@ -409,3 +409,30 @@ def test_the_device_ring_and_its_fallback_write_the_same_bits(env, tmp_path, mon
     got, want = load_shards(out), load_shards(ref)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[s][k], want[s][k]) for s in want for k in want[s])
+
+
+def test_a_cpu_batch_goes_into_the_buffer_in_one_block_with_the_same_bits(env, tmp_path, monkeypatch) -> None:
+    """On a CPU the courier copies a batch's two state tensors whole (one block, padding and all)
+    and sends each sample's rows by offset, instead of a copy per sample: every shard the same,
+    bit for bit, as writer threads write them from the forward's own tensors."""
+    from extraction import runner as runner_mod
+
+    model, ds, backend, _ = env
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    monkeypatch.setenv("HSX_WRITER", "thread")
+    assert run(make_cfg(model, ds, ref, batch_size=4), backend) == EXIT_OK
+    monkeypatch.setenv("HSX_WRITER", "process")
+    calls: list[int] = []
+
+    def counted(arena, *tensors):
+        calls.append(len(tensors))
+        return copy_into(arena, *tensors)
+
+    monkeypatch.setattr(runner_mod, "copy_into", counted)
+    hf_path = SharedBackend(backend.inner)
+    hf_path.extract_async = backend.inner.extract_async  # as the hf backend runs in the CLI
+    assert run(make_cfg(model, ds, out, batch_size=4), hf_path) == EXIT_OK
+    assert calls == [2] * (N // 4), calls  # one block a batch, not one a sample
+    got, want = load_shards(out), load_shards(ref)
+    assert got.keys() == want.keys() and len(got) == N
+    assert all(torch.equal(got[s][k], want[s][k]) for s in want for k in want[s])
