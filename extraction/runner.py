@@ -1027,21 +1027,19 @@ class Runner:
                 for i, (s, st) in enumerate(zip(work.samples, work.results, strict=True)):
                     if s.sample_id not in work.pending:
                         continue
-                    if places is not None and places[i] is not None:
-                        hidden, aux = places[i]
-                        wire.append(
-                            (s.sample_id, s.input_ids.numpy(), s.loss_mask.numpy(), hidden, aux, st.finite)
-                        )
-                        continue
+                    place = places[i] if places is not None else None
                     try:
-                        try:
-                            hidden, aux = self._shared(st, blocks)
-                        except ArenaFull:  # what it holds is this batch's: send that part first
-                            if not wire:
-                                raise
-                            self._submit(work, wire, blocks)
-                            wire, blocks = [], []
-                            hidden, aux = self._shared(st, blocks)
+                        if place is not None:  # copied with its batch
+                            hidden, aux = place
+                        else:
+                            try:
+                                hidden, aux = self._shared(st, blocks)
+                            except ArenaFull:  # what it holds is this batch's: send that part first
+                                if not wire:
+                                    raise
+                                self._submit(work, wire, blocks)
+                                wire, blocks = [], []
+                                hidden, aux = self._shared(st, blocks)
                     except (ValueError, ArenaFull) as e:  # longer than the buffer (no --max-length)
                         self._publish_here(work, s, st, e)
                         continue
