@@ -37,6 +37,7 @@ import torch
 from extraction import heap
 from extraction import layers as layer_mod
 from extraction.backends.base import Backend, Sample, SampleStates
+from extraction.backends.hf import dtype_name
 from extraction.childgen import ChildFailed, ChildGenerator
 from extraction.config import ExtractConfig
 from extraction.dataset import (
@@ -594,7 +595,13 @@ class Runner:
 
     def _try_extract(
         self, batch: list[Sample], shared: bool = True
-    ) -> tuple[list[SampleStates] | None, Callable[[], Any] | None, Any, str, int]:
+    ) -> tuple[
+        list[SampleStates] | None,
+        Callable[[], Any] | None,
+        tuple[torch.Tensor, torch.Tensor] | None,
+        str,
+        int,
+    ]:
         """Up to 1 + retries attempts with doubling backoff; (results, ready, the batch's host
         tensors or None (PendingStates.batch), last error, attempts).
 
@@ -1081,8 +1088,7 @@ class Runner:
         (_, width, hidden), layers = final.shape, aux.shape[2]
         row_final, row_aux = width * hidden * final.element_size(), width * layers * aux.element_size()
         ptr_final, ptr_aux = final.data_ptr(), aux.data_ptr()
-        name_final = str(final.dtype).removeprefix("torch.")
-        name_aux = str(aux.dtype).removeprefix("torch.")
+        name_final, name_aux = dtype_name(final.dtype), dtype_name(aux.dtype)
         places: list[Any] = []
         for row, st in enumerate(work.results):
             h, a = st.hidden_state, st.aux_hidden_state
@@ -1150,10 +1156,7 @@ class Runner:
         if None in offsets:
             block, offsets = copy_into(arena, *tensors)
             blocks.append(block)
-        return [
-            (o, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-            for o, t in zip(offsets, tensors, strict=True)
-        ]
+        return [(o, tuple(t.shape), dtype_name(t.dtype)) for o, t in zip(offsets, tensors, strict=True)]
 
     def _collect_outcomes(self) -> None:
         """Applies the writer process's outcomes as they come; a writer that failed or died ends

@@ -57,19 +57,12 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-FORWARD_ONLY_USAGE: list[tuple[float, int, int]] = []  # the last forward_only's thread usage
-
-
 def forward_only(backend: HFBackend, batches, device: str) -> float:
-    u0 = runner_mod.thread_usage()
     t = time.perf_counter()
     for b in batches:
         backend.forward_states(b)
     sync(device)
-    took = time.perf_counter() - t
-    u1 = runner_mod.thread_usage()
-    FORWARD_ONLY_USAGE[:] = [(u1[0] - u0[0], u1[1] - u0[1], u1[2] - u0[2])]
-    return took
+    return time.perf_counter() - t
 
 
 def forward_copy(backend: HFBackend, batches, device: str) -> float:
@@ -424,11 +417,12 @@ def main() -> int:
                     cpu[side].append(float("nan"))
                     continue
                 if side == "A":
+                    u0 = runner_mod.thread_usage()
                     got[side] = forward_only(backend, batches, args.device)
-                    cpu_s, vcsw, ivcsw = FORWARD_ONLY_USAGE[0]
+                    u1 = runner_mod.thread_usage()
                     line.append(
-                        f"  forward-only's thread: cpu {cpu_s:.2f}s, context switches {vcsw} voluntary, "
-                        f"{ivcsw} involuntary"
+                        f"  forward-only's thread: cpu {u1[0] - u0[0]:.2f}s, context switches "
+                        f"{u1[1] - u0[1]} voluntary, {u1[2] - u0[2]} involuntary"
                     )
                     if args.marginal:
                         parts["A"].append(forward_only(backend, part_batches, args.device))
