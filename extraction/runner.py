@@ -293,7 +293,9 @@ class Runner:
         self._allocs: list[int] = []  # writer-buffer blocks the batch in the forward has taken
         self._in_writer: dict[int, tuple[_Work, list[int]]] = {}  # batch id -> (batch, blocks it frees)
         self._in_writer_lock = threading.Lock()
+        self._batch_ids = itertools.count()  # each part of a batch sent to the writer process
         self._host_empty_ok = False  # the backend's host buffers may come from the writer's buffer
+        self._forward_sends = False  # the forward thread sends its batches to the writer process
         self._published_here = 0  # samples too long for the writer's buffer, published by this process
         self.batch_q: queue.Queue = queue.Queue(
             maxsize=tokenize_ahead_batches(cfg.batch_size, cfg.max_length)
@@ -641,8 +643,8 @@ class Runner:
 
     def _host_empty(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
         """Host memory for a batch's states in the writer process's buffer (pinned on a GPU);
-        None (the backend then uses torch's pinned memory, and the courier copies) when the
-        buffer cannot take the batch without waiting on batches not sent yet."""
+        None (the backend then uses memory of its own, and _send copies) when the buffer cannot
+        take the batch without waiting on batches not sent yet."""
         assert self.writer_proc is not None
         try:
             tensors, block = self.writer_proc.arena.empty(specs)
@@ -827,7 +829,7 @@ class Runner:
                 self.reporter.set_state("failed", f"cannot start the {cfg.backend} backend: {e}")
                 self.log(f"cannot start the {cfg.backend} backend: {e}")
                 return EXIT_FAILED
-            self._pin_writer_buffer()
+            self._share_writer_buffer()
             self.timings["ready_at"] = time.perf_counter()
             self.timings["ready_cpu_at"] = time.process_time()
             self.timings["ready_faults_at"] = _minor_faults()
@@ -972,13 +974,25 @@ class Runner:
             f"shards published by a writer process (pid {self.writer_proc.pid}, {size / 2**20:.1f} MiB buffer)"
         )
 
-    def _pin_writer_buffer(self) -> None:
-        """On a GPU, page-lock the writer's buffer so the states are copied into it directly."""
+    def _share_writer_buffer(self) -> None:
+        """Let the forward's states go straight into the writer's buffer, where the backend can
+        put them there (hf's `host_empty`).
+
+        On a CPU the forward writes them there itself, and sends each batch to the writer process
+        itself: nothing is left to copy or wait for, and a courier thread would only take the GIL
+        from the forward (each hand-over a wait in the forward's next op: ~10 a batch). On a GPU
+        the buffer is page-locked, so the device's copies land in it, and the courier waits for
+        each batch's copy before it sends."""
         wp = self.writer_proc
-        if wp is None or not self.cfg.device.startswith("cuda"):
+        if wp is None:
             return
         extract_async = getattr(self.backend, "extract_async", None)
-        if extract_async is None or "host_empty" not in inspect.signature(extract_async).parameters:
+        shares = extract_async is not None and "host_empty" in inspect.signature(extract_async).parameters
+        if not self.cfg.device.startswith("cuda"):
+            self._host_empty_ok = shares
+            self._forward_sends = shares or extract_async is None  # host tensors once the call returns
+            return
+        if not shares:
             return
         t0 = time.perf_counter()
         err = wp.arena.register_cuda(torch.device(self.cfg.device))
@@ -1011,11 +1025,10 @@ class Runner:
                 self.writer_proc.arena.free(offset)
 
     def _courier(self, work_q: queue.Queue) -> None:
-        """Hands the forward's batches to the writer process: waits for each batch's copy to the
-        host, puts states that are not in the shared buffer yet (CPU) there, sends the batch."""
+        """Hands the forward's batches to the writer process on a GPU: waits for each batch's copy
+        to the host, then sends it (_send)."""
         wp = self.writer_proc
         assert wp is not None
-        self._batch_ids = itertools.count()
         usage = thread_usage()
         try:
             while True:
@@ -1028,52 +1041,77 @@ class Runner:
                 if not self._wait_ready(work):
                     self._free(work.allocs)
                     continue
-                places = self._batch_into_buffer(work)
-                wire: list[tuple[Any, ...]] = []
-                blocks: list[int] = []
-                for i, (s, st) in enumerate(zip(work.samples, work.results, strict=True)):
-                    if s.sample_id not in work.pending:
-                        continue
-                    place = places[i] if places is not None else None
-                    try:
-                        if place is not None:  # copied with its batch
-                            hidden, aux = place
-                        else:
-                            try:
-                                hidden, aux = self._shared(st, blocks)
-                            except ArenaFull:  # what it holds is this batch's: send that part first
-                                if not wire:
-                                    raise
-                                self._submit(work, wire, blocks)
-                                wire, blocks = [], []
-                                hidden, aux = self._shared(st, blocks)
-                    except (ValueError, ArenaFull) as e:  # longer than the buffer (no --max-length)
-                        self._publish_here(work, s, st, e)
-                        continue
-                    wire.append(
-                        (s.sample_id, s.input_ids.numpy(), s.loss_mask.numpy(), hidden, aux, st.finite)
-                    )
-                self._submit(work, wire, blocks + work.allocs)  # its last part frees the whole batch's
+                self._send(work)
         except BaseException as e:  # never leave the forward thread blocked on a full queue
-            reason = str(e) if isinstance(e, WriterGone) else self._writer_failed(e)
-            self.stop_event.set()
-            wp.arena.close(reason)  # a forward waiting for space: no batch will free any now
+            self._sending_failed(e)
             while (work := work_q.get()) is not None:
                 self._free_after_copies(work)
         finally:
             wp.end()
             _record_usage(self.timings, "courier", usage)
 
+    def _send(self, work: _Work) -> None:
+        """Send a batch to the writer process: its states that are not in the shared buffer yet
+        put there first (the whole batch in one block where it can be, else sample by sample;
+        a sample too long for the buffer published here)."""
+        places = self._batch_into_buffer(work)
+        wire: list[tuple[Any, ...]] = []
+        blocks: list[int] = []
+        for i, (s, st) in enumerate(zip(work.samples, work.results, strict=True)):
+            if s.sample_id not in work.pending:
+                continue
+            place = places[i] if places is not None else None
+            try:
+                if place is not None:  # copied with its batch
+                    hidden, aux = place
+                else:
+                    try:
+                        hidden, aux = self._shared(st, blocks)
+                    except ArenaFull:  # what it holds is this batch's: send that part first
+                        if not wire:
+                            raise
+                        self._submit(work, wire, blocks)
+                        wire, blocks = [], []
+                        hidden, aux = self._shared(st, blocks)
+            except (ValueError, ArenaFull) as e:  # longer than the buffer (no --max-length)
+                self._publish_here(work, s, st, e)
+                continue
+            wire.append((s.sample_id, s.input_ids.numpy(), s.loss_mask.numpy(), hidden, aux, st.finite))
+        self._submit(work, wire, blocks + work.allocs)  # its last part frees the whole batch's
+
+    def _send_here(self, work: _Work) -> None:
+        """The forward thread's own send (_forward_sends): as the courier would, in this thread."""
+        if self._stopped_writing():
+            self._free(work.allocs)  # not written: these samples stay pending
+            return
+        if not self._wait_ready(work):
+            self._free(work.allocs)
+            return
+        try:
+            self._send(work)
+        except BaseException as e:
+            self._sending_failed(e)
+            self._free(work.allocs)
+
+    def _sending_failed(self, e: BaseException) -> None:
+        """Sending to the writer process failed: the run stops, and a forward waiting for space
+        in the buffer wakes (no batch will free any now)."""
+        reason = str(e) if isinstance(e, WriterGone) else self._writer_failed(e)
+        self.stop_event.set()
+        self.writer_proc.arena.close(reason)  # type: ignore[union-attr]
+
     def _batch_into_buffer(self, work: _Work) -> list[Any] | None:
         """Copy a batch's two state tensors whole into one block of the writer's buffer (padding
         and all): each result's (hidden, aux) place there as _shared gives it, None for a result
         whose states are not the first rows of its row; None for the whole batch when the states
-        are in the buffer already (a GPU's device ring) or the batch does not fit it (_shared then
-        copies sample by sample).
+        are in the buffer already (the usual case: a CPU forward writes them there, a GPU's copies
+        land there) or the batch does not fit it (_shared then copies sample by sample).
 
-        Why: each NumPy copy and each torch call of this thread releases the GIL, and the CPU
-        forward (whose ops release it too) then waits to take it back: a copy per sample and
-        tensor made ~30 hand-overs a batch. Here: two copies, the rest integer arithmetic."""
+        For the states in the backend's own memory (the buffer had no room for them when the
+        forward began; a GPU's copies into torch's pinned memory). Why whole: each NumPy copy and
+        torch call releases the GIL, and a CPU forward (whose ops release it too) then waits to
+        take it back: a copy per sample and tensor made ~30 hand-overs a batch. Here: two copies,
+        the rest integer arithmetic."""
         if work.batch is None or not any(s.sample_id in work.pending for s in work.samples):
             return None
         arena = self.writer_proc.arena  # type: ignore[union-attr]
@@ -1207,7 +1245,11 @@ class Runner:
     def _pipeline(self) -> None:
         batch_q = self.batch_q
         write_q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
-        if self.writer_proc is not None:
+        wp = self.writer_proc
+        send_here = wp is not None and self._forward_sends  # else the courier sends (or no process)
+        if send_here:
+            writers = [threading.Thread(target=self._collect_outcomes, name="hsx-outcomes", daemon=True)]
+        elif wp is not None:
             writers = [
                 threading.Thread(target=self._courier, args=(write_q,), name="hsx-courier", daemon=True),
                 threading.Thread(target=self._collect_outcomes, name="hsx-outcomes", daemon=True),
@@ -1235,6 +1277,10 @@ class Runner:
                     if allocs and self.cfg.device.startswith("cuda"):
                         torch.cuda.synchronize()  # a failed attempt's copies may still be landing
                     self._free(allocs)
+                elif send_here:
+                    done.allocs = allocs
+                    self._send_here(done)
+                    tm["forward_send_s"] = tm.get("forward_send_s", 0.0) + time.perf_counter() - t2
                 else:
                     done.allocs = allocs
                     write_q.put(done)
@@ -1250,6 +1296,8 @@ class Runner:
             if self.writer_proc is not None:
                 self.writer_proc.arena.set_flag(FLAG_DRAIN)
             self._stop_producer()
+            if send_here:
+                wp.end()  # type: ignore[union-attr]  # the courier's last word otherwise
             write_q.put(None)
             for writer in writers:
                 while writer.is_alive():

@@ -154,11 +154,18 @@ class HFBackend:
         )
 
     @torch.inference_mode()
-    def forward_states(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def forward_states(
+        self,
+        samples: list[Sample],
+        into: Callable[[list[tuple[tuple[int, ...], torch.dtype]]], list[torch.Tensor] | None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The forward pass alone: (final [B, W, H], aux [B, W, k*H], lengths), on the device.
 
         Right-padded to the longest sample. On CUDA the inputs go up through pinned memory without
         blocking, so the host can queue this batch while the GPU still runs the previous one.
+        `into([(shape, dtype), ...])` may give two tensors on the device for final and aux, which
+        are then written there (on a CPU: the runner's shared buffer, so no copy follows); None
+        there, or no `into`: tensors of torch's own.
         """
         if self.layer_ids is None:
             raise RuntimeError("HFBackend: capture layers not set")
@@ -178,8 +185,18 @@ class HFBackend:
             use_cache=False,
         )
         hs = out.hidden_states
-        aux = torch.cat([hs[i] for i in self.layer_ids], dim=-1)
-        return hs[-1], aux, lengths
+        captured = [hs[i] for i in self.layer_ids]
+        final = hs[-1]
+        bufs = None
+        if into is not None:
+            aux_shape = (*final.shape[:-1], sum(t.shape[-1] for t in captured))
+            bufs = into([(tuple(final.shape), final.dtype), (aux_shape, final.dtype)])
+        if bufs is None:
+            return final, torch.cat(captured, dim=-1), lengths
+        final_buf, aux_buf = bufs
+        final_buf.copy_(final)
+        torch.cat(captured, dim=-1, out=aux_buf)
+        return final_buf, aux_buf, lengths
 
     @torch.inference_mode()
     def extract_async(
@@ -195,12 +212,15 @@ class HFBackend:
         batch, whose kernels run while the copy engine moves this one (on the compute stream the
         copy held the next forward back ~5 ms per batch of 268 MB). Whoever writes the shards
         waits on the event. Each sample's states are views of the batch buffer. `host_empty([(shape,
-        dtype), ...])` gives those buffers when the caller has pinned memory of its own (the runner's
+        dtype), ...])` gives those buffers when the caller has host memory of its own (the runner's
         writer process reads the states from a shared mapping), or None; torch's pinned memory otherwise.
+        On a CPU the forward writes its states into `host_empty`'s buffers itself (forward_states'
+        `into`): nothing is left to copy or wait for.
         """
         if not samples:
             return PendingStates([], None)
-        final, aux, lengths = self.forward_states(samples)
+        on_host = self.device.type == "cpu"  # the states are host tensors as the forward writes them
+        final, aux, lengths = self.forward_states(samples, into=host_empty if on_host else None)
         event = finite = None
         if self.device.type == "cuda":
             # The NaN/Inf check costs nothing here and ~10 ms a sample on the host in bf16.

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -123,6 +124,44 @@ def runner_run(
     tm = dict(r.timings)
     tm["prepare_s"] = tm["ready_at"] - t - tm["model_load_s"]
     return tm["pipeline_end_at"] - tm["ready_at"], wall, tm
+
+
+class ForwardProbe:
+    """--probe: the time spent inside `HFBackend.forward_states` (wall, the calling thread's CPU and
+    context switches), summed per side: whether the runner's forward passes themselves are slower
+    than forward-only's, or the time goes between them (its bookkeeping, the GIL)."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+        self.vcsw = self.ivcsw = self.calls = 0
+        self._inner = HFBackend.forward_states
+
+    def install(self) -> None:
+        inner, probe = self._inner, self
+
+        def forward_states(backend, samples, **kw):
+            u0, t0 = runner_mod.thread_usage(), time.perf_counter()
+            try:
+                return inner(backend, samples, **kw)
+            finally:
+                u1 = runner_mod.thread_usage()
+                probe.wall += time.perf_counter() - t0
+                probe.cpu += u1[0] - u0[0]
+                probe.vcsw += u1[1] - u0[1]
+                probe.ivcsw += u1[2] - u0[2]
+                probe.calls += 1
+
+        HFBackend.forward_states = forward_states
+
+    def take(self) -> str:
+        """What was summed since the last take, as a line; then zero."""
+        line = (
+            f"inside forward_states: {self.calls} calls, wall {self.wall:.2f}s, cpu {self.cpu:.2f}s, "
+            f"context switches {self.vcsw} voluntary, {self.ivcsw} involuntary"
+        )
+        self.wall = self.cpu = 0.0
+        self.vcsw = self.ivcsw = self.calls = 0
+        return line
 
 
 @contextlib.contextmanager
@@ -260,7 +299,11 @@ def main() -> int:
         action="store_true",
         help="also time each runner variant with a writer that writes nothing",
     )
-    ap.add_argument("--cpu-threads", type=int, default=0, help="the runner's --cpu-threads (0: its default)")
+    ap.add_argument(
+        "--cpu-threads",
+        default="0",
+        help="the runner's --cpu-threads, comma list of variants (0: its default)",
+    )
     ap.add_argument(
         "--tokenizer",
         default="",
@@ -294,6 +337,11 @@ def main() -> int:
         "the drain)",
     )
     ap.add_argument(
+        "--probe",
+        action="store_true",
+        help="also report the time inside each side's forward passes (HFBackend.forward_states)",
+    )
+    ap.add_argument(
         "--sides", default="A,A2,B,C", help="which sides to time, e.g. A,B (B: the runner variants)"
     )
     args = ap.parse_args()
@@ -315,8 +363,6 @@ def main() -> int:
             batch_size=args.batch_size,
             progress="off",
         )
-        if args.cpu_threads:
-            cfg_kw["cpu_threads"] = args.cpu_threads
         cfg = build_config({**cfg_kw, "output": str(work / "unused")})
         r0 = Runner(cfg, log=lambda _m: None)
         r0.prepare()
@@ -363,43 +409,41 @@ def main() -> int:
                 f"runner kept freed memory (extraction/heap.py: {runner_mod.heap.keep_freed_memory()}) "
                 f"{min(tuned):.2f}s: every side below runs with the runner's setting"
             )
-        modes = [m for m in args.tokenizer.split(",") if m] or [None]
-        switches = [float(x) for x in args.switch_interval.split(",")] if args.switch_interval else [0.0]
-        nulls = [False, True] if args.null_writer else [False]
-        writers = [x for x in args.writer.split(",") if x] or [None]
-        models = args.model.split(",")
         env_name, _, env_values = args.env.partition("=")
-        env_variants = [x for x in env_values.split(",") if x] or [None]
-        # side -> (writer threads, tokenizer mode or None, GIL switch interval or 0, null writer,
-        # writer mode, model, --env value)
-        variants = {
-            f"B{w}"
-            + (f"-{m}" if m else "")
-            + (f"-si{si:g}" if si else "")
-            + ("-null" if null else "")
-            + (f"-w{wm}" if wm else "")
-            + ("-kept" if mo == "kept" else "")
-            + (f"-env{pin}" if pin else ""): (int(w), m, si, null, wm, mo, pin)
-            for w in args.writer_threads.split(",")
-            for m in modes
-            for si in switches
-            for null in nulls
-            for wm in writers
-            for mo in models
-            for pin in env_variants
+        # Each runner variant is one value of every dimension; a dimension given one value (or
+        # none: the default) adds nothing to the side's name.
+        dims = {
+            "writer_threads": [int(w) for w in args.writer_threads.split(",")],
+            "tokenizer": [m for m in args.tokenizer.split(",") if m] or [None],
+            "switch": [float(x) for x in args.switch_interval.split(",")] if args.switch_interval else [0.0],
+            "null": [False, True] if args.null_writer else [False],
+            "writer": [x for x in args.writer.split(",") if x] or [None],
+            "model": args.model.split(","),
+            "env": [x for x in env_values.split(",") if x] or [None],
+            "cpu_threads": [int(x) for x in args.cpu_threads.split(",")],
         }
+        names = {  # dimension -> (key suffix, label) of a value
+            "writer_threads": lambda w: (f"{w}", f"{w}w"),
+            "tokenizer": lambda m: (f"-{m}", f" {m}") if m else ("", ""),
+            "switch": lambda si: (f"-si{si:g}", f" switch {si * 1e3:g}ms") if si else ("", ""),
+            "null": lambda null: ("-null", " null writer") if null else ("", ""),
+            "writer": lambda wm: (f"-w{wm}", f" writer-{wm}") if wm else ("", ""),
+            "model": lambda mo: ("-kept", " kept model") if mo == "kept" else ("", ""),
+            "env": lambda pin: (f"-env{pin}", f" {env_name}={pin}") if pin else ("", ""),
+            "cpu_threads": lambda t: (f"-t{t}", f" {t} forward threads") if t else ("", ""),
+        }
+        variants: dict[str, dict] = {}
+        label: dict[str, str] = {}
+        for values in itertools.product(*dims.values()):
+            v = dict(zip(dims, values, strict=True))
+            named = [names[d](x) for d, x in v.items()]
+            key = "B" + "".join(k for k, _ in named)
+            variants[key], label[key] = v, "".join(lab for _, lab in named)
         bkeys = list(variants)
-        label = {
-            k: f"{w}w"
-            + (f" {m}" if m else "")
-            + (f" switch {si * 1e3:g}ms" if si else "")
-            + (" null writer" if null else "")
-            + (f" writer-{wm}" if wm else "")
-            + (" kept model" if mo == "kept" else "")
-            + (f" {env_name}={pin}" if pin else "")
-            for k, (w, m, si, null, wm, mo, pin) in variants.items()
-        }
         default_switch = sys.getswitchinterval()
+        probe = ForwardProbe() if args.probe else None
+        if probe:
+            probe.install()
         sides: dict[str, list[float]] = {k: [] for k in ["A", "A2", *bkeys, "C"]}
         skip = {"A2", "C"} - set(args.sides.split(","))  # not timed: reported as nan
         walls: dict[str, list[float]] = {k: [] for k in bkeys}
@@ -424,8 +468,12 @@ def main() -> int:
                         f"  forward-only's thread: cpu {u1[0] - u0[0]:.2f}s, context switches "
                         f"{u1[1] - u0[1]} voluntary, {u1[2] - u0[2]} involuntary"
                     )
+                    if probe:
+                        line.append(f"  forward-only {probe.take()}")
                     if args.marginal:
                         parts["A"].append(forward_only(backend, part_batches, args.device))
+                        if probe:
+                            probe.take()
                 elif side == "A2":
                     got[side] = forward_copy(backend, batches, args.device)
                 elif side == "C":
@@ -434,29 +482,32 @@ def main() -> int:
                 if not side.startswith("B"):
                     cpu[side].append(time.process_time() - c0)
                 else:
-                    runner_mod.WRITER_THREADS, mode, si, null, wmode, mo, pin = variants[side]
-                    if pin:
-                        os.environ[env_name] = pin
-                    if mode:
-                        os.environ["HSX_TOKENIZER"] = mode
-                    if wmode:
-                        os.environ["HSX_WRITER"] = wmode
-                    sys.setswitchinterval(si or default_switch)
+                    var = variants[side]
+                    runner_mod.WRITER_THREADS = var["writer_threads"]
+                    if var["env"]:
+                        os.environ[env_name] = var["env"]
+                    if var["tokenizer"]:
+                        os.environ["HSX_TOKENIZER"] = var["tokenizer"]
+                    if var["writer"]:
+                        os.environ["HSX_WRITER"] = var["writer"]
+                    run_kw = dict(cfg_kw, cpu_threads=var["cpu_threads"]) if var["cpu_threads"] else cfg_kw
+                    kept = backend if var["model"] == "kept" else None
+                    sys.setswitchinterval(var["switch"] or default_switch)
                     try:
-                        with null_writer(null):
-                            got[side], wall, tm = runner_run(
-                                cfg_kw, work / f"run{rnd}", backend if mo == "kept" else None
-                            )
+                        with null_writer(var["null"]):
+                            got[side], wall, tm = runner_run(run_kw, work / f"run{rnd}", kept)
                     finally:
                         sys.setswitchinterval(default_switch)
                     walls[side].append(wall)
+                    if probe:
+                        line.append(f"  runner, {label[side]}: {probe.take()}")
                     if args.marginal:
-                        with null_writer(null):
-                            t_part = runner_run(
-                                cfg_kw, work / f"part{rnd}", backend if mo == "kept" else None, limit=part
-                            )[0]
+                        with null_writer(var["null"]):
+                            t_part = runner_run(run_kw, work / f"part{rnd}", kept, limit=part)[0]
                         parts[side].append(t_part)
                         shutil.rmtree(work / f"part{rnd}")
+                        if probe:
+                            probe.take()  # the part's: not reported
                     cpu[side].append(tm["pipeline_end_cpu_at"] - tm["ready_cpu_at"])
                     shutil.rmtree(work / f"run{rnd}")
                     line.append(

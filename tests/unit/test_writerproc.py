@@ -396,11 +396,11 @@ def test_the_device_ring_and_its_fallback_write_the_same_bits(env, tmp_path, mon
     assert run(make_cfg(model, ds, ref, batch_size=2), backend) == EXIT_OK
     monkeypatch.setenv("HSX_WRITER", "process")
 
-    def pin(self):  # what _pin_writer_buffer does on a GPU once cudaHostRegister succeeded
+    def pin(self):  # what _share_writer_buffer does on a GPU once cudaHostRegister succeeded
         self.writer_proc.arena.split(runner_mod.DEVICE_BUFFER_SHARE)
-        self._host_empty_ok = True
+        self._host_empty_ok = True  # and the courier sends, as on a GPU
 
-    monkeypatch.setattr(Runner, "_pin_writer_buffer", pin)
+    monkeypatch.setattr(Runner, "_share_writer_buffer", pin)
     batch = 2 * 40 * 4 * 64 * 4  # 2 samples of <= 40 tokens, hidden + 3 layers, fp32
     monkeypatch.setattr("extraction.runner.writer_buffer_bytes", lambda *a: 3 * batch)
     device_like = _DeviceLike(backend.inner)
@@ -411,17 +411,10 @@ def test_the_device_ring_and_its_fallback_write_the_same_bits(env, tmp_path, mon
     assert all(torch.equal(got[s][k], want[s][k]) for s in want for k in want[s])
 
 
-def test_a_cpu_batch_goes_into_the_buffer_in_one_block_with_the_same_bits(env, tmp_path, monkeypatch) -> None:
-    """On a CPU the courier copies a batch's two state tensors whole (one block, padding and all)
-    and sends each sample's rows by offset, instead of a copy per sample: every shard the same,
-    bit for bit, as writer threads write them from the forward's own tensors."""
+def _count_copies(monkeypatch) -> list[int]:
+    """The runner's copies into the writer's buffer: the number of tensors each copied."""
     from extraction import runner as runner_mod
 
-    model, ds, backend, _ = env
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    monkeypatch.setenv("HSX_WRITER", "thread")
-    assert run(make_cfg(model, ds, ref, batch_size=4), backend) == EXIT_OK
-    monkeypatch.setenv("HSX_WRITER", "process")
     calls: list[int] = []
 
     def counted(arena, *tensors):
@@ -429,10 +422,60 @@ def test_a_cpu_batch_goes_into_the_buffer_in_one_block_with_the_same_bits(env, t
         return copy_into(arena, *tensors)
 
     monkeypatch.setattr(runner_mod, "copy_into", counted)
+    return calls
+
+
+def _count_couriers(monkeypatch) -> list[int]:
+    """Courier threads started."""
+    started: list[int] = []
+    courier = Runner._courier
+
+    def counted(self, work_q):
+        started.append(1)
+        return courier(self, work_q)
+
+    monkeypatch.setattr(Runner, "_courier", counted)
+    return started
+
+
+def test_a_cpu_forward_writes_its_states_into_the_buffer_and_sends_them_itself(
+    env, tmp_path, monkeypatch
+) -> None:
+    """On a CPU the forward writes a batch's states straight into the writer's buffer and the
+    forward thread sends the batch (no copy after, no courier thread to take the GIL from it):
+    every shard the same, bit for bit, as writer threads write them from the forward's own tensors."""
+    model, ds, backend, _ = env
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    monkeypatch.setenv("HSX_WRITER", "thread")
+    assert run(make_cfg(model, ds, ref, batch_size=4), backend) == EXIT_OK
+    monkeypatch.setenv("HSX_WRITER", "process")
+    copies, couriers = _count_copies(monkeypatch), _count_couriers(monkeypatch)
     hf_path = SharedBackend(backend.inner)
     hf_path.extract_async = backend.inner.extract_async  # as the hf backend runs in the CLI
     assert run(make_cfg(model, ds, out, batch_size=4), hf_path) == EXIT_OK
-    assert calls == [2] * (N // 4), calls  # one block a batch, not one a sample
+    assert copies == [] and couriers == [], (copies, couriers)
+    got, want = load_shards(out), load_shards(ref)
+    assert got.keys() == want.keys() and len(got) == N
+    assert all(torch.equal(got[s][k], want[s][k]) for s in want for k in want[s])
+
+
+def test_a_cpu_batch_outside_the_buffer_goes_into_it_in_one_block_with_the_same_bits(
+    env, tmp_path, monkeypatch
+) -> None:
+    """A batch whose states the forward could not write into the buffer (no room when it began)
+    is copied there whole (one block, padding and all) and each sample's rows sent by offset,
+    instead of a copy per sample: every shard the same, bit for bit."""
+    model, ds, backend, _ = env
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    monkeypatch.setenv("HSX_WRITER", "thread")
+    assert run(make_cfg(model, ds, ref, batch_size=4), backend) == EXIT_OK
+    monkeypatch.setenv("HSX_WRITER", "process")
+    copies = _count_copies(monkeypatch)
+    monkeypatch.setattr(Runner, "_host_empty", lambda self, specs: None)  # never room
+    hf_path = SharedBackend(backend.inner)
+    hf_path.extract_async = backend.inner.extract_async
+    assert run(make_cfg(model, ds, out, batch_size=4), hf_path) == EXIT_OK
+    assert copies == [2] * (N // 4), copies  # one block a batch, not one a sample
     got, want = load_shards(out), load_shards(ref)
     assert got.keys() == want.keys() and len(got) == N
     assert all(torch.equal(got[s][k], want[s][k]) for s in want for k in want[s])
