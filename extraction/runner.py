@@ -1089,9 +1089,8 @@ class Runner:
             return
         try:
             self._send(work)
-        except BaseException as e:
+        except BaseException as e:  # its blocks stay taken, as the courier leaves them: the run ends
             self._sending_failed(e)
-            self._free(work.allocs)
 
     def _sending_failed(self, e: BaseException) -> None:
         """Sending to the writer process failed: the run stops, and a forward waiting for space

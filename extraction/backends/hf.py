@@ -3,8 +3,9 @@
 For the lab, tests and benchmarks. A batch is right-padded to its longest sample with an attention
 mask; each sample's states are sliced back to its own length. `extract` hands back host copies
 that own exactly their bytes (torch.save writes a view's whole storage); `extract_async`, which
-the runner uses, hands back views of one pinned host buffer per batch that fill while the next
-batch is queued, and leaves the per-sample copy to the shard writer's thread.
+the runner uses, hands back views of one host buffer per batch (the runner's shared buffer where it
+gives one): on a GPU pinned memory that fills while the next batch is queued, on a CPU the forward's
+own output.
 """
 
 from __future__ import annotations

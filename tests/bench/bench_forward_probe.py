@@ -3,7 +3,7 @@
 Sides, interleaved in each round, over the runner's own batch plan (tiny model, CPU):
   A   forward-only: `HFBackend.forward_states` per batch, the outputs dropped at once
   K   the same, keeping the last 5 batches' outputs alive (what the runner's queues hold)
-  KC  K plus a thread copying each output into a NumPy ring (the courier's work on a CPU)
+  KC  K plus a thread copying each output into a NumPy ring (the courier's work on a CPU until the forward wrote its states there itself)
   B   the runner (`hsx extract` in-process, writer process): each `_forward` call timed
 For each: the time a round, the per-batch p5/p50/p95, and the process's minor page faults a round.
 

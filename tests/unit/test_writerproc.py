@@ -237,6 +237,33 @@ def test_the_writer_process_killed_mid_run_fails_the_run_cleanly_and_resume_comp
     assert all(torch.equal(got[s][k], v) for s, t in reference.items() for k, v in t.items())
 
 
+def test_a_send_that_fails_in_the_forward_thread_stops_the_run_with_its_reason(
+    env, tmp_path, monkeypatch
+) -> None:
+    """On a CPU the forward thread sends each batch itself: a send that fails there (the third)
+    stops the run at once, as failed with the reason; the two batches sent before it are whole."""
+    model, ds, backend, _ = env
+    submit = WriterProcess.submit
+    calls = {"n": 0}
+
+    def failing(self, batch_id, items):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("cannot send")
+        return submit(self, batch_id, items)
+
+    monkeypatch.setattr(WriterProcess, "submit", failing)
+    out = tmp_path / "out"
+    logs: list[str] = []
+    assert run(make_cfg(model, ds, out, batch_size=1), backend, logs) == EXIT_FAILED
+    assert any("the writer failed: RuntimeError: cannot send" in m for m in logs), logs
+    assert calls["n"] == 3  # nothing sent after it
+    assert read_status(str(out))["state"] == "failed"
+    assert len(fmt.load_index(str(out))) == 2
+    report = verify_output(str(out), "deep")
+    assert report.exit_code == 0 and report.ok == 2
+
+
 def test_a_bug_in_the_writer_process_fails_the_run_with_its_reason(env, tmp_path, monkeypatch) -> None:
     model, ds, backend, _ = env
 
