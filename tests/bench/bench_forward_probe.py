@@ -35,10 +35,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_runner  # noqa: E402
 
 from extraction import runner as runner_mod  # noqa: E402
-from extraction.backends.hf import HFBackend  # noqa: E402
-from extraction.config import build_config  # noqa: E402
-from extraction.dataset import ChatTokenizer, load_tokenizer, scan_dataset  # noqa: E402
-from extraction.tiny import build_tiny_model, write_tiny_dataset  # noqa: E402
 
 
 def minor_faults() -> int:
@@ -47,27 +43,9 @@ def minor_faults() -> int:
 
 class Probe:
     def __init__(self, args: argparse.Namespace, work: Path):
-        model = build_tiny_model(work / "model", seed=0, hidden=args.hidden, layers=args.layers)
-        ds = write_tiny_dataset(work / "d.jsonl", args.samples, seed=0)
-        self.backend = HFBackend(model, None, dtype="fp32", device="cpu")
-        self.cfg_kw = dict(
-            model=str(model),
-            dataset=str(ds),
-            layers=args.capture,
-            dtype="fp32",
-            device="cpu",
-            max_length=args.max_length,
-            batch_size=args.batch_size,
-            progress="off",
-        )
-        cfg = build_config({**self.cfg_kw, "output": str(work / "unused")})
-        r = runner_mod.Runner(cfg, log=lambda _m: None)
-        r.prepare()
-        r.close()
-        self.backend.set_layers(r.layer_ids)
-        shutil.rmtree(work / "unused")
-        tok = ChatTokenizer(load_tokenizer(model), args.max_length)
-        self.batches = list(runner_mod.iter_batches_for_bench(cfg, scan_dataset(ds).entries, tok))
+        setup = bench_runner.bench_setup(work, args)
+        self.backend, self.cfg_kw = setup.backend, setup.cfg_kw
+        self.batches = list(runner_mod.iter_batches_for_bench(setup.cfg, setup.entries, setup.tokenizer))
         self.threads = args.threads
         self.work = work
         self.ring = np.empty(64 << 20, dtype=np.uint8)
@@ -141,6 +119,7 @@ def main() -> int:
     ap.add_argument(
         "--threads", type=int, default=13, help="torch threads of the bare loops (the runner picks its own)"
     )
+    ap.set_defaults(dtype="fp32", device="cpu")  # bench_setup's; the bare loops here are CPU fp32
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hsx-probe-"))
     try:

@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,12 +46,51 @@ import torch  # noqa: E402
 
 from extraction import runner as runner_mod  # noqa: E402
 from extraction.backends.hf import HFBackend, torch_dtype  # noqa: E402
-from extraction.config import build_config  # noqa: E402
-from extraction.dataset import ChatTokenizer, load_tokenizer, scan_dataset  # noqa: E402
+from extraction.config import ExtractConfig, build_config  # noqa: E402
+from extraction.dataset import ChatTokenizer, DatasetEntry, load_tokenizer, scan_dataset  # noqa: E402
 from extraction.runner import Runner, iter_batches_for_bench  # noqa: E402
 from extraction.shards import ShardWriter  # noqa: E402
 from extraction.shards import format as fmt  # noqa: E402
 from extraction.tiny import build_tiny_model, write_tiny_dataset  # noqa: E402
+
+
+@dataclass
+class BenchSetup:
+    """What every side of a CPU/GPU runner bench shares (bench_setup)."""
+
+    model_dir: Path
+    backend: HFBackend  # the bench's own, with the runner's capture layers
+    cfg_kw: dict  # the runner's settings, less its output
+    cfg: ExtractConfig
+    entries: list[DatasetEntry]
+    tokenizer: ChatTokenizer
+
+
+def bench_setup(work: Path, args: argparse.Namespace) -> BenchSetup:
+    """The tiny model and dataset under `work`, a backend of the bench's own and the runner's
+    config for them, from args' hidden, layers, samples, capture, dtype, device, max_length,
+    batch_size (a Runner's prepare() resolves the capture layers, as a run does)."""
+    model_dir = build_tiny_model(work / "model", seed=0, hidden=args.hidden, layers=args.layers)
+    ds = write_tiny_dataset(work / "d.jsonl", args.samples, seed=0)
+    backend = HFBackend(model_dir, None, dtype=args.dtype, device=args.device)
+    cfg_kw = dict(
+        model=str(model_dir),
+        dataset=str(ds),
+        layers=args.capture,
+        dtype=args.dtype,
+        device=args.device,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        progress="off",
+    )
+    cfg = build_config({**cfg_kw, "output": str(work / "unused")})
+    r0 = Runner(cfg, log=lambda _m: None)
+    r0.prepare()
+    r0.close()
+    backend.set_layers(r0.layer_ids)
+    shutil.rmtree(work / "unused")
+    tokenizer = ChatTokenizer(load_tokenizer(model_dir), args.max_length)
+    return BenchSetup(model_dir, backend, cfg_kw, cfg, scan_dataset(ds).entries, tokenizer)
 
 
 def sync(device: str) -> None:
@@ -350,28 +390,10 @@ def main() -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="hsx-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        model_dir = build_tiny_model(work / "model", seed=0, hidden=args.hidden, layers=args.layers)
-        ds = write_tiny_dataset(work / "d.jsonl", args.samples, seed=0)
-        backend = HFBackend(model_dir, None, dtype=args.dtype, device=args.device)
-        cfg_kw = dict(
-            model=str(model_dir),
-            dataset=str(ds),
-            layers=args.capture,
-            dtype=args.dtype,
-            device=args.device,
-            max_length=args.max_length,
-            batch_size=args.batch_size,
-            progress="off",
-        )
-        cfg = build_config({**cfg_kw, "output": str(work / "unused")})
-        r0 = Runner(cfg, log=lambda _m: None)
-        r0.prepare()
-        r0.close()
-        backend.set_layers(r0.layer_ids)
-        shutil.rmtree(work / "unused")
+        setup = bench_setup(work, args)
+        model_dir, backend, cfg_kw, cfg = setup.model_dir, setup.backend, setup.cfg_kw, setup.cfg
         params = sum(p.numel() for p in backend.model.parameters())
-        entries = scan_dataset(ds).entries
-        tok = ChatTokenizer(load_tokenizer(model_dir), args.max_length)
+        entries, tok = setup.entries, setup.tokenizer
         batches = list(iter_batches_for_bench(cfg, entries, tok))
         window = args.batch_size * runner_mod.WINDOW_BATCHES
         part = max(window, args.samples // 4 // window * window)  # whole windows: the same batches
