@@ -34,6 +34,11 @@ from typing import Any
 
 import torch
 
+try:
+    import resource
+except ImportError:  # not Unix: no usage figures in the timings
+    resource = None  # type: ignore[assignment]
+
 from extraction import heap
 from extraction import layers as layer_mod
 from extraction.backends.base import Backend, Sample, SampleStates
@@ -188,9 +193,7 @@ def _end_torn_index_line(output_dir: str) -> None:
 
 
 def _minor_faults() -> float:
-    try:
-        import resource
-    except ImportError:  # not Unix
+    if resource is None:
         return 0.0
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
@@ -200,20 +203,16 @@ def thread_usage() -> tuple[float, int, int]:
     a forward thread that waits on the GIL switches voluntarily, one that loses its core to
     another task involuntarily. Zeros where the platform has no per-thread usage."""
     try:
-        import resource
-
-        ru = resource.getrusage(resource.RUSAGE_THREAD)
-    except (ImportError, AttributeError, OSError):
+        ru = resource.getrusage(resource.RUSAGE_THREAD)  # type: ignore[union-attr]
+    except (AttributeError, OSError):  # not Unix (resource None), or not Linux
         return 0.0, 0, 0
     return ru.ru_utime + ru.ru_stime, ru.ru_nvcsw, ru.ru_nivcsw
 
 
 def _record_usage(timings: dict[str, float], name: str, before: tuple[float, int, int]) -> None:
     """Add this thread's usage since `before` to timings as NAME_cpu_s, NAME_vcsw, NAME_ivcsw."""
-    now = thread_usage()
-    timings[f"{name}_cpu_s"] = timings.get(f"{name}_cpu_s", 0.0) + now[0] - before[0]
-    timings[f"{name}_vcsw"] = timings.get(f"{name}_vcsw", 0) + now[1] - before[1]
-    timings[f"{name}_ivcsw"] = timings.get(f"{name}_ivcsw", 0) + now[2] - before[2]
+    for suffix, now, then in zip(("cpu_s", "vcsw", "ivcsw"), thread_usage(), before, strict=True):
+        timings[f"{name}_{suffix}"] = timings.get(f"{name}_{suffix}", 0) + now - then
 
 
 def forward_cpu_threads(cores: int, writer_threads: int) -> int:
