@@ -628,7 +628,20 @@ class Runner:
                 return results, ready, states, "", attempt + 1
             except Exception as e:  # any backend failure is retried; the reason goes to errors.jsonl
                 reason = f"{type(e).__name__}: {e}"
+                self._free_failed_attempt()
         return None, None, None, reason, self.cfg.retries + 1
+
+    def _free_failed_attempt(self) -> None:
+        """Free the writer-buffer blocks a failed attempt took (a CPU forward's states, a GPU's
+        copies: once those have landed), so that its retries and the one-by-one path have the
+        room; on a broken device context they stay taken (the run is ending)."""
+        allocs, self._allocs = self._allocs, []
+        if allocs and self.cfg.device.startswith("cuda"):
+            try:
+                torch.cuda.synchronize()  # its copies into them may still be landing
+            except Exception:
+                return
+        self._free(allocs)
 
     @staticmethod
     def _check_results(batch: list[Sample], results: list[SampleStates]) -> None:
@@ -1270,17 +1283,14 @@ class Runner:
                 done = self._forward(work)
                 t2 = time.perf_counter()
                 tm["forward_s"] += t2 - t1
-                allocs, self._allocs = self._allocs, []
-                if done is None:
-                    if allocs and self.cfg.device.startswith("cuda"):
-                        torch.cuda.synchronize()  # a failed attempt's copies may still be landing
-                    self._free(allocs)
+                if done is None:  # nothing to write: what its attempts took is free again
+                    self._free_failed_attempt()
                 elif send_here:
-                    done.allocs = allocs
+                    done.allocs, self._allocs = self._allocs, []
                     self._send_here(done)
                     tm["forward_send_s"] = tm.get("forward_send_s", 0.0) + time.perf_counter() - t2
                 else:
-                    done.allocs = allocs
+                    done.allocs, self._allocs = self._allocs, []
                     write_q.put(done)
                     tm["forward_wait_writer_s"] += time.perf_counter() - t2
                 if self.bar is not None and time.monotonic() - last_bar > 1:

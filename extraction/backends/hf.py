@@ -11,6 +11,7 @@ own output.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -191,7 +192,8 @@ class HFBackend:
         bufs = None
         if into is not None:
             aux_shape = (*final.shape[:-1], sum(t.shape[-1] for t in captured))
-            bufs = into([(tuple(final.shape), final.dtype), (aux_shape, final.dtype)])
+            aux_dtype = functools.reduce(torch.promote_types, (t.dtype for t in captured))  # cat's own
+            bufs = into([(tuple(final.shape), final.dtype), (aux_shape, aux_dtype)])
         if bufs is None:
             return final, torch.cat(captured, dim=-1), lengths
         final_buf, aux_buf = bufs

@@ -81,3 +81,24 @@ def test_same_batch_same_bits_padding_changes_fp32_bits(fp32: HFBackend) -> None
     # Same values, not always the same bits: measured here up to ~2e-8 in fp32 (bf16 happened to
     # match). CPU kernels choose blocking by shape, so this differs between machines.
     assert max(diffs) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_states_written_into_given_buffers_are_the_same_bits(tiny_model_dir: Path, dtype: str) -> None:
+    """forward_states(into=...): the states land in the caller's tensors (the runner's shared
+    buffer on a CPU), bit for bit what the forward gives in its own; `into` returning None
+    falls back to its own."""
+    backend = HFBackend(tiny_model_dir, LAYERS, dtype=dtype)
+    samples = _samples()
+    want_final, want_aux, _ = backend.forward_states(samples)
+    given: list[torch.Tensor] = []
+
+    def into(specs):
+        given.extend(torch.full(shape, float("nan"), dtype=dt) for shape, dt in specs)
+        return given
+
+    final, aux, _ = backend.forward_states(samples, into=into)
+    assert final is given[0] and aux is given[1]
+    assert torch.equal(final, want_final) and torch.equal(aux, want_aux)
+    final, aux, _ = backend.forward_states(samples, into=lambda specs: None)
+    assert torch.equal(final, want_final) and torch.equal(aux, want_aux)

@@ -486,6 +486,40 @@ def test_a_cpu_forward_writes_its_states_into_the_buffer_and_sends_them_itself(
     assert all(torch.equal(got[s][k], want[s][k]) for s in want for k in want[s])
 
 
+def test_a_failed_attempt_frees_what_its_forward_took_in_the_buffer(env, tmp_path, monkeypatch) -> None:
+    """A CPU forward's states go into the writer's buffer as it runs: an attempt that fails after
+    that (here every batch's first) frees its block, so the retry has the room (a buffer of one
+    batch): no sample falls back to being published by the runner, every shard the same bits."""
+    model, ds, backend, _ = env
+    monkeypatch.setenv("HSX_WRITER", "thread")
+    assert run(make_cfg(model, ds, tmp_path / "ref", batch_size=2), backend) == EXIT_OK
+    reference = load_shards(tmp_path / "ref")
+    monkeypatch.setenv("HSX_WRITER", "process")
+    inner = backend.inner
+    tried: set[tuple[str, ...]] = set()
+
+    def first_attempt_fails(samples, host_empty=None):
+        handle = inner.extract_async(samples, host_empty=host_empty)
+        key = tuple(s.sample_id for s in samples)
+        if key not in tried:
+            tried.add(key)
+            raise RuntimeError("after the forward")
+        return handle
+
+    flaky = SharedBackend(inner)
+    flaky.extract_async = first_attempt_fails
+    batch = 2 * 40 * 4 * 64 * 4  # 2 samples of <= 40 tokens, hidden + 3 layers, fp32
+    monkeypatch.setattr("extraction.runner.writer_buffer_bytes", lambda *a: batch)
+    logs: list[str] = []
+    out = tmp_path / "out"
+    assert run(make_cfg(model, ds, out, batch_size=2), flaky, logs) == EXIT_OK
+    assert len(tried) == N // 2
+    assert not any("published by the runner itself" in m for m in logs), logs
+    got = load_shards(out)
+    assert got.keys() == reference.keys()
+    assert all(torch.equal(got[s][k], v) for s, t in reference.items() for k, v in t.items())
+
+
 def test_a_cpu_batch_outside_the_buffer_goes_into_it_in_one_block_with_the_same_bits(
     env, tmp_path, monkeypatch
 ) -> None:
