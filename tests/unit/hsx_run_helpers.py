@@ -70,6 +70,16 @@ def load_shards(output: Path) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def assert_same_shards(output: Path, want: dict[str, dict[str, torch.Tensor]]) -> None:
+    """The shards indexed in `output` are `want`'s samples, no other, each tensor bit for bit."""
+    got = load_shards(output)
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for sid, tensors in want.items():
+        assert got[sid].keys() == tensors.keys(), sid
+        for name, tensor in tensors.items():
+            assert torch.equal(got[sid][name], tensor), (sid, name)
+
+
 def assert_complete(output: Path, ids: set[str]) -> None:
     """Every sample exactly once: indexed, one file each, deep-verified, no temps or strays."""
     index = fmt.load_index(str(output))

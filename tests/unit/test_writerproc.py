@@ -13,6 +13,7 @@ import pytest
 import torch
 from hsx_run_helpers import (
     SharedBackend,
+    assert_same_shards,
     load_shards,
     make_cfg,
     one_thread,  # noqa: F401  (autouse)
@@ -232,9 +233,7 @@ def test_the_writer_process_killed_mid_run_fails_the_run_cleanly_and_resume_comp
     assert report.exit_code == 0 and report.ok == len(index)
     monkeypatch.setattr(BatchPublisher, "publish", publish)
     assert run(make_cfg(model, ds, out, batch_size=1), backend) == EXIT_OK
-    got = load_shards(out)
-    assert got.keys() == reference.keys()
-    assert all(torch.equal(got[s][k], v) for s, t in reference.items() for k, v in t.items())
+    assert_same_shards(out, reference)
 
 
 def test_a_send_that_fails_in_the_forward_thread_stops_the_run_with_its_reason(
@@ -354,9 +353,7 @@ def test_a_batch_larger_than_the_buffer_goes_in_parts_and_a_sample_larger_is_pub
     logs: list[str] = []
     assert run(make_cfg(model, ds, out, batch_size=8, max_length=None), backend, logs) == EXIT_OK
     assert sum("published by the runner itself" in m for m in logs) == 1, logs  # said once
-    got = load_shards(out)
-    assert got.keys() == want.keys()
-    assert all(torch.equal(got[s][k], want[s][k]) for s in want for k in want[s])
+    assert_same_shards(out, want)
     lines = (out / fmt.INDEX_NAME).read_text().splitlines()
     assert len(lines) == N  # each once
     report = verify_output(str(out), "deep")
@@ -374,8 +371,7 @@ def test_no_writer_process_possible_means_writer_threads(env, tmp_path, monkeypa
     out = tmp_path / "out"
     assert run(make_cfg(model, ds, out, batch_size=1), backend, logs) == EXIT_OK
     assert any("cannot start the writer process ([Errno 12] Cannot allocate memory)" in m for m in logs), logs
-    got = load_shards(out)
-    assert all(torch.equal(got[s][k], v) for s, t in reference.items() for k, v in t.items())
+    assert_same_shards(out, reference)
 
 
 class _DeviceLike(SharedBackend):
@@ -433,9 +429,7 @@ def test_the_device_ring_and_its_fallback_write_the_same_bits(env, tmp_path, mon
     device_like = _DeviceLike(backend.inner)
     assert run(make_cfg(model, ds, out, batch_size=2), device_like) == EXIT_OK
     assert device_like.landed["ring"] > 0 and device_like.landed["own"] > 0, device_like.landed
-    got, want = load_shards(out), load_shards(ref)
-    assert got.keys() == want.keys()
-    assert all(torch.equal(got[s][k], want[s][k]) for s in want for k in want[s])
+    assert_same_shards(out, load_shards(ref))
 
 
 def _count_copies(monkeypatch) -> list[int]:
@@ -481,9 +475,7 @@ def test_a_cpu_forward_writes_its_states_into_the_buffer_and_sends_them_itself(
     hf_path.extract_async = backend.inner.extract_async  # as the hf backend runs in the CLI
     assert run(make_cfg(model, ds, out, batch_size=4), hf_path) == EXIT_OK
     assert copies == [] and couriers == [], (copies, couriers)
-    got, want = load_shards(out), load_shards(ref)
-    assert got.keys() == want.keys() and len(got) == N
-    assert all(torch.equal(got[s][k], want[s][k]) for s in want for k in want[s])
+    assert_same_shards(out, load_shards(ref))
 
 
 def test_a_failed_attempt_frees_what_its_forward_took_in_the_buffer(env, tmp_path, monkeypatch) -> None:
@@ -515,9 +507,7 @@ def test_a_failed_attempt_frees_what_its_forward_took_in_the_buffer(env, tmp_pat
     assert run(make_cfg(model, ds, out, batch_size=2), flaky, logs) == EXIT_OK
     assert len(tried) == N // 2
     assert not any("published by the runner itself" in m for m in logs), logs
-    got = load_shards(out)
-    assert got.keys() == reference.keys()
-    assert all(torch.equal(got[s][k], v) for s, t in reference.items() for k, v in t.items())
+    assert_same_shards(out, reference)
 
 
 def test_a_cpu_batch_outside_the_buffer_goes_into_it_in_one_block_with_the_same_bits(
@@ -537,6 +527,4 @@ def test_a_cpu_batch_outside_the_buffer_goes_into_it_in_one_block_with_the_same_
     hf_path.extract_async = backend.inner.extract_async
     assert run(make_cfg(model, ds, out, batch_size=4), hf_path) == EXIT_OK
     assert copies == [2] * (N // 4), copies  # one block a batch, not one a sample
-    got, want = load_shards(out), load_shards(ref)
-    assert got.keys() == want.keys() and len(got) == N
-    assert all(torch.equal(got[s][k], want[s][k]) for s in want for k in want[s])
+    assert_same_shards(out, load_shards(ref))
