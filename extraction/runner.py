@@ -74,6 +74,8 @@ from extraction.writerproc import (
     FLAG_DRAIN,
     Arena,
     ArenaFull,
+    Place,
+    WireItem,
     WriterGone,
     WriterProcess,
     copy_into,
@@ -1067,7 +1069,7 @@ class Runner:
         put there first (the whole batch in one block where it can be, else sample by sample;
         a sample too long for the buffer published here)."""
         places = self._batch_into_buffer(work)
-        wire: list[tuple[Any, ...]] = []
+        wire: list[WireItem] = []
         blocks: list[int] = []
         for i, (s, st) in enumerate(zip(work.samples, work.results, strict=True)):
             if s.sample_id not in work.pending:
@@ -1088,7 +1090,9 @@ class Runner:
             except (ValueError, ArenaFull) as e:  # longer than the buffer (no --max-length)
                 self._publish_here(work, s, st, e)
                 continue
-            wire.append((s.sample_id, s.input_ids.numpy(), s.loss_mask.numpy(), hidden, aux, st.finite))
+            wire.append(
+                WireItem(s.sample_id, s.input_ids.numpy(), s.loss_mask.numpy(), hidden, aux, st.finite)
+            )
         self._submit(work, wire, blocks + work.allocs)  # its last part frees the whole batch's
 
     def _send_here(self, work: _Work) -> None:
@@ -1111,7 +1115,7 @@ class Runner:
         self.stop_event.set()
         self.writer_proc.arena.close(reason)  # type: ignore[union-attr]
 
-    def _batch_into_buffer(self, work: _Work) -> list[Any] | None:
+    def _batch_into_buffer(self, work: _Work) -> list[tuple[Place, Place] | None] | None:
         """Copy a batch's two state tensors whole into one block of the writer's buffer (padding
         and all): each result's (hidden, aux) place there as _shared gives it, None for a result
         whose states are not the first rows of its row; None for the whole batch when the states
@@ -1138,7 +1142,7 @@ class Runner:
         row_final, row_aux = width * hidden * final.element_size(), width * layers * aux.element_size()
         ptr_final, ptr_aux = final.data_ptr(), aux.data_ptr()
         name_final, name_aux = dtype_name(final.dtype), dtype_name(aux.dtype)
-        places: list[Any] = []
+        places: list[tuple[Place, Place] | None] = []
         for row, st in enumerate(work.results):
             h, a = st.hidden_state, st.aux_hidden_state
             n = h.shape[0]
@@ -1185,7 +1189,7 @@ class Runner:
         )
         self._apply(work, self.publisher.publish([item], 1, self._stopped_writing))
 
-    def _submit(self, work: _Work, wire: list[tuple[Any, ...]], blocks: list[int]) -> None:
+    def _submit(self, work: _Work, wire: list[WireItem], blocks: list[int]) -> None:
         """Send (part of) a batch; its outcome will free `blocks`."""
         assert self.writer_proc is not None
         batch_id = next(self._batch_ids)
@@ -1194,7 +1198,7 @@ class Runner:
         self.writer_proc.submit(batch_id, wire)
         self.writer_proc.arena.mark_sent(blocks)  # after: a send that failed leaves none to wait for
 
-    def _shared(self, st: SampleStates, blocks: list[int]) -> list[tuple[int, tuple[int, ...], str]]:
+    def _shared(self, st: SampleStates, blocks: list[int]) -> list[Place]:
         """(offset, shape, dtype name) of a sample's two state tensors in the writer's buffer,
         copied there first (one block, added to `blocks`) if they are not in it (the CPU's
         states, or a GPU's in torch's pinned memory)."""

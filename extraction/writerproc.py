@@ -10,7 +10,7 @@ How: the child is forked before the model loads (so it never holds CUDA state). 
 travel through an `Arena`, an anonymous shared mapping made before the fork (MAP_SHARED |
 MAP_ANONYMOUS: both processes see the same pages; no /dev/shm to fill or clean up). On a GPU the
 arena is registered as pinned memory, and each batch's copy to the host lands in it directly;
-on the CPU the states are copied in. A small message per batch (ids, tokens, where each tensor
+on the CPU the forward writes its states there. A small message per batch (ids, tokens, where each tensor
 lies) goes down a pipe; the child publishes the batch with the same BatchPublisher a writer
 thread uses and sends back its Outcome; then the batch's space is reused. The run's bookkeeping
 (counters, errors.jsonl, the pause, status.json) stays in this process.
@@ -33,7 +33,7 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy
 import torch
@@ -49,6 +49,31 @@ _PIPE_BYTES = 1 << 20  # a batch's tokens in one pipe write (Linux's unprivilege
 _PR_SET_PDEATHSIG = 1
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 _in_writer = False
+
+Place = tuple[int, tuple[int, ...], str]  # a tensor in the arena: (offset, shape, dtype name)
+
+
+class WireItem(NamedTuple):
+    """One sample as it goes down the pipe to the child: its tokens (NumPy arrays pickle as their
+    bytes), its two states by their place in the arena, the backend's NaN/Inf check."""
+
+    sample_id: str
+    input_ids: numpy.ndarray
+    loss_mask: numpy.ndarray
+    hidden: Place
+    aux: Place
+    finite: bool | None
+
+    def item(self, arena: Arena) -> Item:
+        """The child's Item: tensors sharing the arrays' and the arena's memory."""
+        return Item(
+            self.sample_id,
+            torch.from_numpy(self.input_ids),
+            torch.from_numpy(self.loss_mask),
+            arena.tensor(self.hidden[0], getattr(torch, self.hidden[2]), self.hidden[1]),
+            arena.tensor(self.aux[0], getattr(torch, self.aux[2]), self.aux[1]),
+            self.finite,
+        )
 
 
 def in_writer_process() -> bool:
@@ -325,9 +350,8 @@ class WriterProcess:
         self._lock = threading.Lock()
         self._status = ""
 
-    def submit(self, batch_id: int, items: list[tuple[Any, ...]]) -> None:
-        """Send a batch: (sample id, input_ids, loss_mask, hidden (offset, shape, dtype), aux
-        (offset, shape, dtype), finite) per sample, the arrays as NumPy."""
+    def submit(self, batch_id: int, items: list[WireItem]) -> None:
+        """Send a batch."""
         try:
             send_message(self._cmd, ("batch", batch_id, items))
         except BrokenPipeError:
@@ -435,17 +459,7 @@ def _serve(
                 send_message(res_w, ("bye",))
                 return
             _, batch_id, wire = msg
-            items = [
-                Item(
-                    sid,
-                    torch.from_numpy(ids),
-                    torch.from_numpy(mask),
-                    arena.tensor(h[0], getattr(torch, h[2]), h[1]),
-                    arena.tensor(a[0], getattr(torch, a[2]), a[1]),
-                    finite,
-                )
-                for sid, ids, mask, h, a, finite in wire
-            ]
+            items = [w.item(arena) for w in wire]
             n = max(threads, drain) if arena.flag(FLAG_DRAIN) else threads
             outcome = Outcome() if stopped() else publisher.publish(items, n, stopped)
             del items  # views of the arena: the parent reuses the space once it has the outcome

@@ -36,6 +36,7 @@ from extraction.writerproc import (
     HEADER,
     Arena,
     ArenaFull,
+    WireItem,
     WriterGone,
     WriterProcess,
     copy_into,
@@ -133,10 +134,10 @@ def _writer_process(root: Path, threads: int = 1) -> tuple[WriterProcess, ShardW
     return WriterProcess(publisher, Arena(1 << 20), threads, 4), writer
 
 
-def _wire(wp: WriterProcess, sid: str, seed: int) -> tuple:
+def _wire(wp: WriterProcess, sid: str, seed: int) -> WireItem:
     t = tensors(5, seed)
     _, (h, a) = copy_into(wp.arena, t["hidden_state"], t["aux_hidden_state"])
-    return (
+    return WireItem(
         sid,
         t["input_ids"].numpy(),
         t["loss_mask"].numpy(),
