@@ -1049,13 +1049,7 @@ class Runner:
                 work = work_q.get()
                 if work is None:
                     return
-                if self._stopped_writing():
-                    self._free_after_copies(work)  # not written: these samples stay pending
-                    continue
-                if not self._wait_ready(work):
-                    self._free(work.allocs)
-                    continue
-                self._send(work)
+                self._deliver(work)
         except BaseException as e:  # never leave the forward thread blocked on a full queue
             self._sending_failed(e)
             while (work := work_q.get()) is not None:
@@ -1095,16 +1089,22 @@ class Runner:
             )
         self._submit(work, wire, blocks + work.allocs)  # its last part frees the whole batch's
 
-    def _send_here(self, work: _Work) -> None:
-        """The forward thread's own send (_forward_sends): as the courier would, in this thread."""
+    def _deliver(self, work: _Work) -> None:
+        """A batch from the forward to the writer process (the courier's, or on a CPU the forward
+        thread's own): dropped when the run has stopped writing, failed when its copy to the host
+        did, else sent once its states are on the host."""
         if self._stopped_writing():
-            self._free(work.allocs)  # not written: these samples stay pending
+            self._free_after_copies(work)  # not written: these samples stay pending
             return
         if not self._wait_ready(work):
             self._free(work.allocs)
             return
+        self._send(work)
+
+    def _send_here(self, work: _Work) -> None:
+        """The forward thread's own delivery (_forward_sends), failing as the courier fails."""
         try:
-            self._send(work)
+            self._deliver(work)
         except BaseException as e:  # its blocks stay taken, as the courier leaves them: the run ends
             self._sending_failed(e)
 
@@ -1289,14 +1289,14 @@ class Runner:
                 tm["forward_s"] += t2 - t1
                 if done is None:  # nothing to write: what its attempts took is free again
                     self._free_failed_attempt()
-                elif send_here:
-                    done.allocs, self._allocs = self._allocs, []
-                    self._send_here(done)
-                    tm["forward_send_s"] = tm.get("forward_send_s", 0.0) + time.perf_counter() - t2
                 else:
                     done.allocs, self._allocs = self._allocs, []
-                    write_q.put(done)
-                    tm["forward_wait_writer_s"] += time.perf_counter() - t2
+                    if send_here:
+                        self._send_here(done)
+                        tm["forward_send_s"] = tm.get("forward_send_s", 0.0) + time.perf_counter() - t2
+                    else:
+                        write_q.put(done)
+                        tm["forward_wait_writer_s"] += time.perf_counter() - t2
                 if self.bar is not None and time.monotonic() - last_bar > 1:
                     last_bar = time.monotonic()
                     snap = self.reporter.snapshot_rates()

@@ -10,10 +10,10 @@ How: the child is forked before the model loads (so it never holds CUDA state). 
 travel through an `Arena`, an anonymous shared mapping made before the fork (MAP_SHARED |
 MAP_ANONYMOUS: both processes see the same pages; no /dev/shm to fill or clean up). On a GPU the
 arena is registered as pinned memory, and each batch's copy to the host lands in it directly;
-on the CPU the forward writes its states there. A small message per batch (ids, tokens, where each tensor
-lies) goes down a pipe; the child publishes the batch with the same BatchPublisher a writer
-thread uses and sends back its Outcome; then the batch's space is reused. The run's bookkeeping
-(counters, errors.jsonl, the pause, status.json) stays in this process.
+on the CPU the forward writes its states there. A small message per batch (ids, tokens, where
+each tensor lies: `WireItem`) goes down a pipe; the child publishes the batch with the same
+BatchPublisher a writer thread uses and sends back its Outcome; then the batch's space is reused.
+The run's bookkeeping (counters, errors.jsonl, the pause, status.json) stays in this process.
 
 The child ignores SIGINT and SIGTERM (the runner decides when it stops, as for the tokenizer),
 and is killed with this process (PR_SET_PDEATHSIG): a kill -9 of the runner does not leave a
