@@ -57,15 +57,9 @@ class Ring:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=768)
+    bench_runner.add_setup_arguments(ap, samples=768)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--capture", default="1,3,4")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--max-length", type=int, default=256)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.set_defaults(dtype="fp32", device="cpu")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

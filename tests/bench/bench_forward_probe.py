@@ -3,7 +3,8 @@
 Sides, interleaved in each round, over the runner's own batch plan (tiny model, CPU):
   A   forward-only: `HFBackend.forward_states` per batch, the outputs dropped at once
   K   the same, keeping the last 5 batches' outputs alive (what the runner's queues hold)
-  KC  K plus a thread copying each output into a NumPy ring (the courier's work on a CPU until the forward wrote its states there itself)
+  KC  K plus a thread copying each output into a NumPy ring (the courier's work on a CPU until
+      the forward wrote its states into the writer's buffer itself)
   B   the runner (`hsx extract` in-process, writer process): each `_forward` call timed
 For each: the time a round, the per-batch p5/p50/p95, and the process's minor page faults a round.
 
@@ -109,17 +110,11 @@ class Probe:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=384)
+    bench_runner.add_setup_arguments(ap, samples=384)
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--capture", default="1,3,4")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--max-length", type=int, default=256)
     ap.add_argument(
         "--threads", type=int, default=13, help="torch threads of the bare loops (the runner picks its own)"
     )
-    ap.set_defaults(dtype="fp32", device="cpu")  # bench_setup's; the bare loops here are CPU fp32
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hsx-probe-"))
     try:

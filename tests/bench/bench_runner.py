@@ -66,6 +66,18 @@ class BenchSetup:
     tokenizer: ChatTokenizer
 
 
+def add_setup_arguments(ap: argparse.ArgumentParser, samples: int) -> None:
+    """bench_setup's arguments for a CPU fp32 bench script (the tiny model, its dataset, the
+    runner's batch plan)."""
+    ap.add_argument("--samples", type=int, default=samples)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--capture", default="1,3,4")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--max-length", type=int, default=256)
+    ap.set_defaults(dtype="fp32", device="cpu")
+
+
 def bench_setup(work: Path, args: argparse.Namespace) -> BenchSetup:
     """The tiny model and dataset under `work`, a backend of the bench's own and the runner's
     config for them, from args' hidden, layers, samples, capture, dtype, device, max_length,
