@@ -408,6 +408,24 @@ class _DeviceLike(SharedBackend):
         return pending
 
 
+def _threads_reference(env, monkeypatch, root: Path, batch_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The shards writer threads write from the forward's own tensors at this batch size (the
+    bit-for-bit reference; fp32 batches are not bit-identical across batch sizes); the writer
+    process is back on after."""
+    model, ds, backend, _ = env
+    monkeypatch.setenv("HSX_WRITER", "thread")
+    assert run(make_cfg(model, ds, root, batch_size=batch_size), backend) == EXIT_OK
+    monkeypatch.setenv("HSX_WRITER", "process")
+    return load_shards(root)
+
+
+def _with_extract_async(inner: HFBackend) -> SharedBackend:
+    """The hf backend with its extract_async, as it runs in the CLI."""
+    backend = SharedBackend(inner)
+    backend.extract_async = inner.extract_async
+    return backend
+
+
 def test_the_device_ring_and_its_fallback_write_the_same_bits(env, tmp_path, monkeypatch) -> None:
     """The GPU path's buffer logic without a GPU: the buffer split into the device's ring and
     the courier's, a device ring too small for all the batches in flight (some go through the
@@ -415,10 +433,7 @@ def test_the_device_ring_and_its_fallback_write_the_same_bits(env, tmp_path, mon
     from extraction import runner as runner_mod
 
     model, ds, backend, _ = env
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    monkeypatch.setenv("HSX_WRITER", "thread")
-    assert run(make_cfg(model, ds, ref, batch_size=2), backend) == EXIT_OK
-    monkeypatch.setenv("HSX_WRITER", "process")
+    reference, out = _threads_reference(env, monkeypatch, tmp_path / "ref", 2), tmp_path / "out"
 
     def pin(self):  # what _share_writer_buffer does on a GPU once cudaHostRegister succeeded
         self.writer_proc.arena.split(runner_mod.DEVICE_BUFFER_SHARE)
@@ -430,7 +445,7 @@ def test_the_device_ring_and_its_fallback_write_the_same_bits(env, tmp_path, mon
     device_like = _DeviceLike(backend.inner)
     assert run(make_cfg(model, ds, out, batch_size=2), device_like) == EXIT_OK
     assert device_like.landed["ring"] > 0 and device_like.landed["own"] > 0, device_like.landed
-    assert_same_shards(out, load_shards(ref))
+    assert_same_shards(out, reference)
 
 
 def _count_copies(monkeypatch) -> list[int]:
@@ -467,16 +482,11 @@ def test_a_cpu_forward_writes_its_states_into_the_buffer_and_sends_them_itself(
     forward thread sends the batch (no copy after, no courier thread to take the GIL from it):
     every shard the same, bit for bit, as writer threads write them from the forward's own tensors."""
     model, ds, backend, _ = env
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    monkeypatch.setenv("HSX_WRITER", "thread")
-    assert run(make_cfg(model, ds, ref, batch_size=4), backend) == EXIT_OK
-    monkeypatch.setenv("HSX_WRITER", "process")
+    reference, out = _threads_reference(env, monkeypatch, tmp_path / "ref", 4), tmp_path / "out"
     copies, couriers = _count_copies(monkeypatch), _count_couriers(monkeypatch)
-    hf_path = SharedBackend(backend.inner)
-    hf_path.extract_async = backend.inner.extract_async  # as the hf backend runs in the CLI
-    assert run(make_cfg(model, ds, out, batch_size=4), hf_path) == EXIT_OK
+    assert run(make_cfg(model, ds, out, batch_size=4), _with_extract_async(backend.inner)) == EXIT_OK
     assert copies == [] and couriers == [], (copies, couriers)
-    assert_same_shards(out, load_shards(ref))
+    assert_same_shards(out, reference)
 
 
 def test_a_failed_attempt_frees_what_its_forward_took_in_the_buffer(env, tmp_path, monkeypatch) -> None:
@@ -484,10 +494,7 @@ def test_a_failed_attempt_frees_what_its_forward_took_in_the_buffer(env, tmp_pat
     that (here every batch's first) frees its block, so the retry has the room (a buffer of one
     batch): no sample falls back to being published by the runner, every shard the same bits."""
     model, ds, backend, _ = env
-    monkeypatch.setenv("HSX_WRITER", "thread")
-    assert run(make_cfg(model, ds, tmp_path / "ref", batch_size=2), backend) == EXIT_OK
-    reference = load_shards(tmp_path / "ref")
-    monkeypatch.setenv("HSX_WRITER", "process")
+    reference = _threads_reference(env, monkeypatch, tmp_path / "ref", 2)
     inner = backend.inner
     tried: set[tuple[str, ...]] = set()
 
@@ -518,14 +525,9 @@ def test_a_cpu_batch_outside_the_buffer_goes_into_it_in_one_block_with_the_same_
     is copied there whole (one block, padding and all) and each sample's rows sent by offset,
     instead of a copy per sample: every shard the same, bit for bit."""
     model, ds, backend, _ = env
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    monkeypatch.setenv("HSX_WRITER", "thread")
-    assert run(make_cfg(model, ds, ref, batch_size=4), backend) == EXIT_OK
-    monkeypatch.setenv("HSX_WRITER", "process")
+    reference, out = _threads_reference(env, monkeypatch, tmp_path / "ref", 4), tmp_path / "out"
     copies = _count_copies(monkeypatch)
     monkeypatch.setattr(Runner, "_host_empty", lambda self, specs: None)  # never room
-    hf_path = SharedBackend(backend.inner)
-    hf_path.extract_async = backend.inner.extract_async
-    assert run(make_cfg(model, ds, out, batch_size=4), hf_path) == EXIT_OK
+    assert run(make_cfg(model, ds, out, batch_size=4), _with_extract_async(backend.inner)) == EXIT_OK
     assert copies == [2] * (N // 4), copies  # one block a batch, not one a sample
-    assert_same_shards(out, load_shards(ref))
+    assert_same_shards(out, reference)
