@@ -31,6 +31,7 @@ import contextlib
 import itertools
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -185,18 +186,21 @@ class ForwardProbe:
 
     def __init__(self) -> None:
         self.wall = self.cpu = 0.0
-        self.vcsw = self.ivcsw = self.calls = 0
+        self.vcsw = self.ivcsw = self.calls = self.faults = 0
         self._inner = HFBackend.forward_states
+        self._irqs = interrupt_counts()
 
     def install(self) -> None:
         inner, probe = self._inner, self
 
         def forward_states(backend, samples, **kw):
+            f0 = thread_faults()
             u0, t0 = runner_mod.thread_usage(), time.perf_counter()
             try:
                 return inner(backend, samples, **kw)
             finally:
                 u1 = runner_mod.thread_usage()
+                probe.faults += thread_faults() - f0
                 probe.wall += time.perf_counter() - t0
                 probe.cpu += u1[0] - u0[0]
                 probe.vcsw += u1[1] - u0[1]
@@ -207,13 +211,41 @@ class ForwardProbe:
 
     def take(self) -> str:
         """What was summed since the last take, as a line; then zero."""
+        irqs = interrupt_counts()
         line = (
             f"inside forward_states: {self.calls} calls, wall {self.wall:.2f}s, cpu {self.cpu:.2f}s, "
-            f"context switches {self.vcsw} voluntary, {self.ivcsw} involuntary"
+            f"context switches {self.vcsw} voluntary, {self.ivcsw} involuntary, thread's minor faults "
+            f"{self.faults}; host-wide since the last line: "
+            + ", ".join(f"{k} {v - self._irqs.get(k, 0)}" for k, v in irqs.items())
         )
         self.wall = self.cpu = 0.0
-        self.vcsw = self.ivcsw = self.calls = 0
+        self.vcsw = self.ivcsw = self.calls = self.faults = 0
+        self._irqs = irqs
         return line
+
+
+def thread_faults() -> int:
+    """This thread's minor page faults so far (0 where there is no per-thread usage)."""
+    try:
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        return 0
+
+
+def interrupt_counts() -> dict[str, int]:
+    """Linux's TLB shootdowns, function-call (CAL) and rescheduling (RES) interrupts, summed
+    over the CPUs: what one thread's page-table changes or wake-ups cost the others' cores."""
+    counts: dict[str, int] = {}
+    try:
+        with open("/proc/interrupts") as f:
+            ncpu = len(f.readline().split())
+            for row in f:
+                name, *rest = row.split()
+                if name in ("TLB:", "CAL:", "RES:"):
+                    counts[name[:-1]] = sum(int(x) for x in rest[:ncpu] if x.isdigit())
+    except OSError:
+        pass
+    return counts
 
 
 @contextlib.contextmanager
@@ -494,6 +526,8 @@ def main() -> int:
                     got[side] = float("nan")
                     cpu[side].append(float("nan"))
                     continue
+                if probe:
+                    probe.take()  # what came between the sides: not this side's
                 if side == "A":
                     u0 = runner_mod.thread_usage()
                     got[side] = forward_only(backend, batches, args.device)
