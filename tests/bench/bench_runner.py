@@ -232,17 +232,26 @@ def thread_faults() -> int:
         return 0
 
 
-def interrupt_counts() -> dict[str, int]:
-    """Linux's TLB shootdowns, function-call (CAL) and rescheduling (RES) interrupts, summed
-    over the CPUs: what one thread's page-table changes or wake-ups cost the others' cores."""
+IPI_ROWS = ("TLB", "CAL", "RES")
+
+
+def interrupt_counts(rows: tuple[str, ...] | None = IPI_ROWS) -> dict[str, int]:
+    """/proc/interrupts summed over the CPUs, by row: by default Linux's TLB shootdowns,
+    function-call (CAL) and rescheduling (RES) interrupts (what one thread's page-table changes
+    or wake-ups cost the others' cores); rows=None: every row, a device's as "N:its name"."""
     counts: dict[str, int] = {}
     try:
         with open("/proc/interrupts") as f:
             ncpu = len(f.readline().split())
             for row in f:
-                name, *rest = row.split()
-                if name in ("TLB:", "CAL:", "RES:"):
-                    counts[name[:-1]] = sum(int(x) for x in rest[:ncpu] if x.isdigit())
+                fields = row.split()
+                if not fields:
+                    continue
+                name = fields[0].rstrip(":")
+                if name.isdigit():
+                    name = f"{name}:{fields[-1]}"
+                if rows is None or name in rows:
+                    counts[name] = sum(int(x) for x in fields[1 : 1 + ncpu] if x.isdigit())
     except OSError:
         pass
     return counts

@@ -1,0 +1,173 @@
+"""What interrupts the CPU forward pass: forward-only against the runner, inside the forward calls.
+
+The runner's forward thread needs 5-10% more CPU seconds than a bare forward loop for the same
+batches without waiting for anything (docs/benchmarks.md, sessions 12-13). This counts, for each
+side, the host's interrupts (every /proc/interrupts row, summed over the CPUs) only while
+`HFBackend.forward_states` runs, so that the helpers' start and end are left out. With --trace
+(root; tracefs, mounted if need be) it also records the inter-processor interrupts sent while the
+runner's forward calls run, and prints who sent them (this process or another: the helper
+processes, kernel threads, an idle CPU handling a disk completion) and the kernel stack that sent
+them: a TLB shootdown from a copy-on-write fault (`do_wp_page`), from an munmap, a futex wake.
+
+  python tests/bench/probe_interrupts.py --samples 1536 --rounds 3 [--trace]
+
+A diagnostic, not a benchmark: reading /proc/interrupts twice a call costs each side the same
+~0.1-0.3 ms a batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_runner  # noqa: E402
+
+from extraction import runner as runner_mod  # noqa: E402
+from extraction.backends.hf import HFBackend  # noqa: E402
+
+TRACEFS = Path("/sys/kernel/tracing")
+_IPI_EVENTS = ("ipi/ipi_send_cpu", "ipi/ipi_send_cpumask")
+
+
+class Tracer:
+    """The kernel's ipi_send events with their stacks, recorded only between on() and off()."""
+
+    def __init__(self) -> None:
+        if not (TRACEFS / "events/ipi").is_dir():
+            subprocess.run(["mount", "-t", "tracefs", "nodev", str(TRACEFS)], check=True)
+        self._set("tracing_on", "0")
+        self._set("buffer_size_kb", "40000")
+        for event in _IPI_EVENTS:
+            self._set(f"events/{event}/enable", "1")
+        self._set("options/stacktrace", "1")
+        self._switch = os.open(TRACEFS / "tracing_on", os.O_WRONLY)
+
+    def _set(self, name: str, value: str) -> None:
+        (TRACEFS / name).write_text(value)
+
+    def clear(self) -> None:
+        self._set("trace", "")
+
+    def on(self) -> None:
+        os.write(self._switch, b"1")
+
+    def off(self) -> None:
+        os.write(self._switch, b"0")
+
+    def close(self) -> None:
+        self.off()
+        os.close(self._switch)
+        self._set("options/stacktrace", "0")
+        for event in _IPI_EVENTS:
+            self._set(f"events/{event}/enable", "0")
+
+    def senders(self, tasks: set[int], frames: int = 7) -> collections.Counter:
+        """(sender, call site; kernel stack) -> IPIs, from the trace: the sender is "this
+        process" when it is one of `tasks`, else its command name."""
+        counts: collections.Counter = collections.Counter()
+        key, depth = None, 0
+        for line in (TRACEFS / "trace").read_text().splitlines():
+            if line.startswith("#"):
+                continue
+            if ": ipi_send" in line:
+                if key:
+                    counts[key] += 1
+                comm, _, tid = line.split()[0].rpartition("-")
+                who = "this process" if tid.isdigit() and int(tid) in tasks else comm
+                key, depth = f"{who} {line.split('callsite=')[1].split()[0]}", 0
+            elif "=>" in line and key:
+                depth += 1
+                if 3 <= depth < 3 + frames:  # past the tracing frames
+                    key += ";" + line.split("=>")[1].strip()
+        if key:
+            counts[key] += 1
+        return counts
+
+
+class InsideForward:
+    """Sums every /proc/interrupts row over the calls of HFBackend.forward_states; turns the
+    tracer on for the calls while `tracing` is set; notes this process's threads."""
+
+    def __init__(self, tracer: Tracer | None):
+        self.counts: collections.Counter = collections.Counter()
+        self.tracer, self.tracing = tracer, False
+        self.tasks: set[int] = set()
+        inner, probe = HFBackend.forward_states, self
+
+        def forward_states(backend, samples, **kw):
+            if probe.tracing and probe.tracer is not None:
+                probe.tasks.update(int(t) for t in os.listdir("/proc/self/task"))
+                probe.tracer.on()
+            before = bench_runner.interrupt_counts(None)
+            try:
+                return inner(backend, samples, **kw)
+            finally:
+                after = bench_runner.interrupt_counts(None)
+                if probe.tracing and probe.tracer is not None:
+                    probe.tracer.off()
+                for name, n in after.items():
+                    probe.counts[name] += n - before.get(name, 0)
+
+        HFBackend.forward_states = forward_states
+
+    def take(self) -> str:
+        line = ", ".join(f"{k} {v}" for k, v in self.counts.most_common() if v)
+        self.counts.clear()
+        return line
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_runner.add_setup_arguments(ap, samples=1536)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--trace", action="store_true", help="record the IPIs' senders in the last round (root)")
+    ap.add_argument("--top", type=int, default=14, help="senders to print")
+    args = ap.parse_args()
+    tracer = Tracer() if args.trace else None
+    probe = InsideForward(tracer)
+    work = Path(tempfile.mkdtemp(prefix="hsx-irq-"))
+    try:
+        setup = bench_runner.bench_setup(work, args)
+        batches = list(runner_mod.iter_batches_for_bench(setup.cfg, setup.entries, setup.tokenizer))
+        runner_mod.heap.keep_freed_memory()  # as in the runner's process
+        bench_runner.forward_only(setup.backend, batches, "cpu")  # warm
+        probe.take()
+        print(
+            f"{args.samples} samples, {len(batches)} batches, {os.cpu_count()} CPUs, {time.strftime('%F %T')}"
+        )
+        for rnd in range(args.rounds):
+            t = bench_runner.forward_only(setup.backend, batches, "cpu")
+            print(f"round {rnd} forward-only {t:.2f}s; inside its forward calls: {probe.take()}")
+            last = rnd == args.rounds - 1 and tracer is not None
+            if last:
+                tracer.clear()
+            probe.tracing = last
+            t = bench_runner.runner_run(setup.cfg_kw, work / f"run{rnd}")[0]
+            probe.tracing = False
+            shutil.rmtree(work / f"run{rnd}")
+            print(f"round {rnd} runner {t:.2f}s; inside its forward calls: {probe.take()}", flush=True)
+        if tracer is not None:
+            senders = tracer.senders(probe.tasks)
+            print(f"IPIs sent while the runner's forward calls ran (last round): {sum(senders.values())}")
+            for key, n in senders.most_common(args.top):
+                print(f"  {n:6d} {key[:300]}")
+    finally:
+        if tracer is not None:
+            tracer.close()
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
