@@ -70,8 +70,8 @@ class WireItem(NamedTuple):
             self.sample_id,
             torch.from_numpy(self.input_ids),
             torch.from_numpy(self.loss_mask),
-            arena.tensor(self.hidden[0], getattr(torch, self.hidden[2]), self.hidden[1]),
-            arena.tensor(self.aux[0], getattr(torch, self.aux[2]), self.aux[1]),
+            arena.at(self.hidden),
+            arena.at(self.aux),
             self.finite,
         )
 
@@ -235,6 +235,11 @@ class Arena:
             out.append(self.tensor(at, dtype, tuple(shape)))
             at += size
         return out, block
+
+    def at(self, place: Place) -> torch.Tensor:
+        """The tensor at a Place (offset, shape, dtype name), as the other process put it there."""
+        offset, shape, dtype = place
+        return self.tensor(offset, getattr(torch, dtype), shape)
 
     def offset_of(self, t: torch.Tensor) -> int | None:
         """Where a contiguous CPU tensor lies in the arena, or None if it is not in it."""
