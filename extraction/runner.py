@@ -308,6 +308,7 @@ class Runner:
             "forward_wait_batch_s": 0.0,
             "forward_s": 0.0,
             "forward_wait_writer_s": 0.0,
+            "forward_send_s": 0.0,  # a CPU forward sending its batches to the writer process itself
             "writer_wait_copy_s": 0.0,
             "writer_publish_s": 0.0,
             "drain_s": 0.0,
@@ -1293,7 +1294,7 @@ class Runner:
                     done.allocs, self._allocs = self._allocs, []
                     if send_here:
                         self._send_here(done)
-                        tm["forward_send_s"] = tm.get("forward_send_s", 0.0) + time.perf_counter() - t2
+                        tm["forward_send_s"] += time.perf_counter() - t2
                     else:
                         write_q.put(done)
                         tm["forward_wait_writer_s"] += time.perf_counter() - t2
