@@ -189,6 +189,7 @@ class ForwardProbe:
         self.vcsw = self.ivcsw = self.calls = self.faults = 0
         self._inner = HFBackend.forward_states
         self._irqs = interrupt_counts()
+        self._cpu = host_cpu_seconds()
 
     def install(self) -> None:
         inner, probe = self._inner, self
@@ -211,16 +212,18 @@ class ForwardProbe:
 
     def take(self) -> str:
         """What was summed since the last take, as a line; then zero."""
-        irqs = interrupt_counts()
+        irqs, cpu = interrupt_counts(), host_cpu_seconds()
         line = (
             f"inside forward_states: {self.calls} calls, wall {self.wall:.2f}s, cpu {self.cpu:.2f}s, "
             f"context switches {self.vcsw} voluntary, {self.ivcsw} involuntary, thread's minor faults "
             f"{self.faults}; host-wide since the last line: "
             + ", ".join(f"{k} {v - self._irqs.get(k, 0)}" for k, v in irqs.items())
+            + "; host CPU seconds: "
+            + ", ".join(f"{k} {v - self._cpu.get(k, 0.0):.1f}" for k, v in cpu.items())
         )
         self.wall = self.cpu = 0.0
         self.vcsw = self.ivcsw = self.calls = self.faults = 0
-        self._irqs = irqs
+        self._irqs, self._cpu = irqs, cpu
         return line
 
 
@@ -233,6 +236,20 @@ def thread_faults() -> int:
 
 
 IPI_ROWS = ("TLB", "CAL", "RES")
+CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def host_cpu_seconds() -> dict[str, float]:
+    """/proc/stat's first line in seconds, summed over the CPUs: what the host's cores did, and
+    `steal`, the time a virtual machine's CPUs were ready but the hypervisor ran someone else (on
+    a shared host, what the helper processes' extra CPU demand may cost the forward)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    return {name: int(v) / tick for name, v in zip(CPU_FIELDS, fields[1:], strict=False)}
 
 
 def interrupt_counts(rows: tuple[str, ...] | None = IPI_ROWS) -> dict[str, int]:
