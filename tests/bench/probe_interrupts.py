@@ -103,10 +103,13 @@ class InsideForward:
         self.counts: collections.Counter = collections.Counter()
         self.tracer, self.tracing = tracer, False
         self.tasks: set[int] = set()
+        self.calls, self.trace_from = 0, 0  # trace only from this call of the round on
         inner, probe = HFBackend.forward_states, self
 
         def forward_states(backend, samples, **kw):
-            if probe.tracing and probe.tracer is not None:
+            probe.calls += 1
+            traced = probe.tracing and probe.tracer is not None and probe.calls > probe.trace_from
+            if traced:
                 probe.tasks.update(int(t) for t in os.listdir("/proc/self/task"))
                 probe.tracer.on()
             before = bench_runner.interrupt_counts(None)
@@ -114,7 +117,7 @@ class InsideForward:
                 return inner(backend, samples, **kw)
             finally:
                 after = bench_runner.interrupt_counts(None)
-                if probe.tracing and probe.tracer is not None:
+                if traced:
                     probe.tracer.off()
                 for name, n in after.items():
                     probe.counts[name] += n - before.get(name, 0)
@@ -124,6 +127,7 @@ class InsideForward:
     def take(self) -> str:
         line = ", ".join(f"{k} {v}" for k, v in self.counts.most_common() if v)
         self.counts.clear()
+        self.calls = 0
         return line
 
 
@@ -133,6 +137,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--trace", action="store_true", help="record the IPIs' senders in the last round (root)")
     ap.add_argument("--top", type=int, default=14, help="senders to print")
+    ap.add_argument(
+        "--trace-after",
+        type=float,
+        default=0.0,
+        help="trace only the calls after this fraction of the round's batches (0.5: the steady "
+        "state, past the run's first copy-on-write faults and first touches)",
+    )
     args = ap.parse_args()
     tracer = Tracer() if args.trace else None
     probe = InsideForward(tracer)
@@ -143,6 +154,7 @@ def main() -> int:
         runner_mod.heap.keep_freed_memory()  # as in the runner's process
         bench_runner.forward_only(setup.backend, batches, "cpu")  # warm
         probe.take()
+        probe.trace_from = int(args.trace_after * len(batches))
         print(
             f"{args.samples} samples, {len(batches)} batches, {os.cpu_count()} CPUs, {time.strftime('%F %T')}"
         )
