@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from extraction.status import process_gone
+
 FACTS_DIR = "facts"
 HOSTS_FILE = "hosts.json"
 SUMMARY = "summary.md"
@@ -63,6 +65,7 @@ def _progress(status: dict | None) -> dict[str, Any]:
         "total": _int(status.get("total")),
         "samples_per_s": status.get("samples_per_s"),
         "making_progress": status.get("making_progress"),
+        "process_gone": process_gone(status),
     }
 
 
@@ -220,7 +223,8 @@ def _fmt_progress(p: dict[str, Any]) -> str:
     if not p or p.get("done") is None:
         return "-"
     total = p.get("total")
-    return f"{p['done']}/{total if total is not None else '?'} ({p.get('state') or '-'})"
+    state = (p.get("state") or "-") + (", process gone" if p.get("process_gone") else "")
+    return f"{p['done']}/{total if total is not None else '?'} ({state})"
 
 
 def summary_markdown(reports: list[dict[str, Any]], title: str) -> str:

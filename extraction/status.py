@@ -45,6 +45,15 @@ def read_status(output_dir: str) -> dict[str, Any]:
     return data
 
 
+RUN_UNDER_WAY = ("starting", "running")
+
+
+def process_gone(status: dict[str, Any]) -> bool:
+    """status.json says a run is under way but its process is gone (`pid_alive` False): it crashed
+    or was killed and left the file as it was. Such a file must not read as a live run."""
+    return status.get("state") in RUN_UNDER_WAY and status.get("pid_alive") is False
+
+
 def pid_alive(pid: Any, host: Any) -> bool | None:
     """True/False for a pid on this host; None when the run is on another host (cannot tell)."""
     if host not in (None, socket.gethostname()):

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from extraction.status import describe, pid_alive, read_status, summarize
+from extraction.status import describe, pid_alive, process_gone, read_status, summarize
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         s.setdefault("output", os.path.abspath(out))
         s["pid_alive"] = pid_alive(s.get("pid"), s.get("host"))
-        if s.get("state") in ("running", "starting") and s["pid_alive"] is False:
+        if process_gone(s):
             s["state_note"] = "the process is gone: crashed or killed; run hsx extract again to resume"
         statuses.append(s)
     if args.plot and statuses:

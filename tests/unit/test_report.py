@@ -7,7 +7,7 @@ import json
 import pytest
 
 from extraction.cli import main
-from extraction.report import build, host_report, stage_of_task
+from extraction.report import build, host_report, stage_of_task, summary_markdown
 
 RECOVERED = {
     "host": "node-1", "mode": "apply",
@@ -70,8 +70,21 @@ def test_build_writes_reports_and_marks_hosts_without_facts_unreachable(tmp_path
     assert json.loads((tmp_path / "node-9.json").read_text())["failed_step"] == "connect"
     text = summary.read_text()
     assert "1 of 3 hosts ok." in text and "**node-4**: step `storage`" in text and "unreachable" in text
-    assert "| node-1 | yes | 128/256 (running) | 140/256 (running) |" in text
+    # before: status.json still said running, but the crashed process was gone
+    assert "| node-1 | yes | 128/256 (running, process gone) | 140/256 (running) |" in text
     assert main(["report", str(tmp_path), "--quiet"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("alive", "shown"),
+    [(False, "128/256 (running, process gone)"), (True, "128/256 (running)"), (None, "128/256 (running)")],
+)
+def test_samples_before_says_when_the_running_process_is_gone(alive, shown):
+    """A status.json left as "running" by a crashed run must not read as a live run; a live one,
+    or one on another host (None: cannot tell), reads as it says."""
+    facts = json.loads(json.dumps(RECOVERED))
+    facts["status_before"]["pid_alive"] = alive
+    assert f"| node-1 | yes | {shown} |" in summary_markdown([host_report(facts)], "t")
 
 
 def test_not_a_report_dir_is_a_usage_error(tmp_path, capsys):
