@@ -20,73 +20,44 @@ made at a temp name and renamed into place, and every run reconciles DEST with t
 (missing links made, wrong ones replaced, links of no longer eligible samples and leftovers
 removed). A crash at any point leaves a DEST that the next run completes.
 
-Why plain JSON lines (no per-line CRC as in index.jsonl): the mapping is for people and tools
-(`jq 'select(.i == 42)' mapping.jsonl`); the only damage our protocol can cause is a torn last
-line, which lacks its newline or fails to parse, and is dropped (and cut off) on the next run.
-
-Symlinks are absolute: DEST usually lives on the training side (another directory tree, often
-another filesystem), so a relative link would break whenever either tree is moved or mounted
-elsewhere; an absolute one breaks only when OUTPUT moves, and a re-run with the new OUTPUT path
-re-points every link without renumbering.
+The mapping and export.json are read and written in extraction.export_mapping (why plain JSON
+lines), the links made, checked and swept in extraction.export_links (why absolute symlinks);
+this module verifies the outputs, plans the numbering and commits in that order.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
-import json
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from extraction.export_links import (
+    DEFAULT_GROUP_SIZE,
+    LOCK_NAME,
+    apply_links,
+    link_relpath,
+    probe_hardlink,
+)
+from extraction.export_mapping import (
+    MAPPING_NAME,
+    META_NAME,
+    ExportError,
+    MappingRecord,
+    append_mapping,
+    read_mapping,
+    read_meta,
+    rewrite_mapping,
+    write_meta,
+)
 from extraction.shards import format as fmt
 from extraction.shards.format import BadShard, ManifestError, VerifyReport
 from extraction.shards.manifest import RunManifest, manifest_mismatches
 
-VIEW_FORMAT = "hsx-export-view"
-VIEW_VERSION = 1
-META_NAME = "export.json"
-MAPPING_NAME = "mapping.jsonl"
-LOCK_NAME = ".hsx-export.lock"
 LAYOUTS = ("specforge",)
 LINK_MODES = ("symlink", "hardlink")
-DEFAULT_GROUP_SIZE = 2000  # SpecForge prepare_hidden_states.py --file-group-size default
-LINK_SUFFIX = ".ckpt"
-
-_GROUP_DIR = re.compile(r"^rows_(\d+)-(\d+)$")
-_LINK_NAME = re.compile(r"^data_(\d+)\.ckpt$")
-
-
-class ExportError(Exception):
-    """A usage or I/O problem: nothing was changed in DEST (exit 2)."""
-
-
-def group_dir(i: int, group_size: int) -> str:
-    g = (i // group_size) * group_size
-    return f"rows_{g}-{g + group_size}"
-
-
-def link_relpath(i: int, group_size: int) -> str:
-    """`rows_{g}-{g+size}/data_{i}.ckpt`, as SpecForge's own writer names sample i."""
-    return f"{group_dir(i, group_size)}/data_{i}{LINK_SUFFIX}"
-
-
-@dataclass
-class MappingRecord:
-    i: int
-    sample_id: str
-    output: str  # realpath of the source output directory
-    shard: str  # shard path relative to output
-
-    def to_json(self) -> dict[str, Any]:
-        return {"i": self.i, "id": self.sample_id, "output": self.output, "shard": self.shard}
-
-    @property
-    def target(self) -> str:
-        return os.path.join(self.output, self.shard)
 
 
 @dataclass
@@ -138,136 +109,8 @@ class ExportReport:
         return d
 
 
-# --- DEST metadata and mapping ----------------------------------------------------------------
 def _run_identity(manifest: dict[str, Any], source: str) -> RunManifest:
     return RunManifest.from_dict({k: v for k, v in manifest.items() if k != "extra"}, source)
-
-
-def read_meta(dest: str) -> dict[str, Any] | None:
-    """export.json, or None when DEST has none; ExportError when it is not ours or unreadable."""
-    path = os.path.join(dest, META_NAME)
-    try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{path}: unreadable export view metadata: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != VIEW_FORMAT:
-        raise ExportError(f"{path}: not an hsx export view (format {meta.get('format')!r})")
-    if not isinstance(meta.get("version"), int) or meta["version"] > VIEW_VERSION:
-        raise ExportError(f"{path}: export view version {meta.get('version')!r} is newer than this code")
-    return meta
-
-
-def read_mapping(dest: str) -> tuple[dict[int, MappingRecord], bool]:
-    """number -> record (later lines win) and whether the last line was torn.
-
-    Raises ExportError when a complete line is damaged or a number changes its sample: that
-    mapping cannot be trusted to keep numbering stable, and guessing would renumber data.
-    """
-    path = os.path.join(dest, MAPPING_NAME)
-    try:
-        with open(path, "rb") as f:
-            lines = f.readlines()
-    except FileNotFoundError:
-        return {}, False
-    records: dict[int, MappingRecord] = {}
-    torn = False
-    for n, line in enumerate(lines, 1):
-        try:
-            if not line.endswith(b"\n"):
-                raise ValueError("no newline")
-            d = json.loads(line)
-            rec = MappingRecord(int(d["i"]), str(d["id"]), str(d["output"]), str(d["shard"]))
-            if rec.i < 0 or not isinstance(d["i"], int):
-                raise ValueError("bad number")
-        except (ValueError, KeyError, TypeError) as e:
-            if n == len(lines):
-                torn = True
-                break
-            raise ExportError(f"{path}:{n}: damaged mapping line ({e}); refusing to renumber") from None
-        old = records.get(rec.i)
-        if old is not None and old.sample_id != rec.sample_id:
-            raise ExportError(
-                f"{path}:{n}: data_{rec.i} was {old.sample_id!r}, this line says {rec.sample_id!r}"
-            )
-        records[rec.i] = rec
-    by_id: dict[str, int] = {}
-    for rec in records.values():
-        if by_id.setdefault(rec.sample_id, rec.i) != rec.i:
-            raise ExportError(
-                f"{path}: sample {rec.sample_id!r} has two numbers ({by_id[rec.sample_id]}, {rec.i})"
-            )
-    return records, torn
-
-
-def _mapping_line(rec: MappingRecord) -> bytes:
-    return json.dumps(rec.to_json(), sort_keys=True, ensure_ascii=True).encode("ascii") + b"\n"
-
-
-def _append_mapping(dest: str, recs: Sequence[MappingRecord]) -> None:
-    data = b"".join(_mapping_line(r) for r in recs)
-    if not data:
-        return
-    fd = os.open(os.path.join(dest, MAPPING_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _rewrite_mapping(dest: str, records: dict[int, MappingRecord]) -> None:
-    """Replace a mapping whose last line was torn by its good lines (atomic rename)."""
-    data = b"".join(_mapping_line(records[i]) for i in sorted(records))
-    fmt.atomic_write_bytes(os.path.join(dest, MAPPING_NAME), data)
-
-
-# --- links ------------------------------------------------------------------------------------
-def _link_ok(path: str, target: str, mode: str, target_stat: os.stat_result | None) -> bool:
-    try:
-        if mode == "symlink":
-            return os.readlink(path) == target
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return target_stat is not None and (st.st_dev, st.st_ino) == (target_stat.st_dev, target_stat.st_ino)
-
-
-def _make_link(path: str, target: str, mode: str) -> None:
-    """Create or replace `path` atomically: a link at a temp name, then rename over."""
-    directory, name = os.path.split(path)
-    tmp = os.path.join(directory, fmt.temp_name(name))
-    if mode == "symlink":
-        os.symlink(target, tmp)
-    else:
-        os.link(target, tmp, follow_symlinks=False)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def _probe_hardlink(target: str, dest: str) -> None:
-    """Fail early (nothing done) when DEST cannot hold hard links to OUTPUT's shards."""
-    tmp = os.path.join(dest, fmt.temp_name("probe"))
-    try:
-        os.link(target, tmp, follow_symlinks=False)
-    except OSError as e:
-        if e.errno == errno.EXDEV:
-            raise ExportError(
-                f"cannot hard-link across filesystems: shard {target} and view {dest} are on "
-                "different filesystems (EXDEV); use --link symlink or a DEST on the same filesystem"
-            ) from None
-        raise ExportError(f"cannot hard-link {target} into {dest}: {e.strerror or e}") from None
-    os.unlink(tmp)
 
 
 # --- verification -----------------------------------------------------------------------------
@@ -480,68 +323,18 @@ def _export_locked(
         for out in outputs:
             sample = next((r for r in want.values() if r is not None and r.output == out), None)
             if sample is not None:
-                _probe_hardlink(sample.target, dest)
+                probe_hardlink(sample.target, dest)
 
     # 4. Commit: metadata, then mapping (write-ahead), then links.
     if meta is None:
-        run = {k: v for k, v in base.to_dict().items() if k not in ("extra", "created_at")}
-        meta = {
-            "format": VIEW_FORMAT,
-            "version": VIEW_VERSION,
-            "layout": layout,
-            "link": link,
-            "group_size": group_size,
-            "run": run,
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        fmt.atomic_write_bytes(os.path.join(dest, META_NAME), json.dumps(meta, indent=2).encode() + b"\n")
+        write_meta(dest, layout, link, group_size, base)
     if torn:
-        _rewrite_mapping(dest, records)
-    _append_mapping(dest, appended)
+        rewrite_mapping(dest, records)
+    append_mapping(dest, appended)
     for rec in appended:
         records[rec.i] = rec
-
-    touched: set[str] = set()
-    made_groups: set[str] = set()
-    for i, rec in sorted(want.items()):
-        rel = link_relpath(i, group_size)
-        path = os.path.join(dest, rel)
-        if rec is None:
-            if os.path.lexists(path):
-                os.unlink(path)
-                touched.add(os.path.dirname(path))
-            report.unlinked.append({"i": i, "id": records[i].sample_id, "reason": reasons[i]})
-            continue
-        try:  # a concurrent `hsx verify --quarantine` may have moved it since we verified
-            target_stat = os.stat(rec.target)
-        except FileNotFoundError:
-            target_stat = None
-        if target_stat is None:
-            if os.path.lexists(path):
-                os.unlink(path)
-                touched.add(os.path.dirname(path))
-            report.unlinked.append(
-                {"i": i, "id": rec.sample_id, "reason": "shard vanished during the export"}
-            )
-            want[i] = None
-            continue
-        if not _link_ok(path, rec.target, link, target_stat):
-            gdir = os.path.dirname(path)
-            if gdir not in made_groups and not os.path.isdir(gdir):
-                os.makedirs(gdir, exist_ok=True)
-                touched.add(dest)
-            made_groups.add(gdir)
-            _make_link(path, rec.target, link)
-            touched.add(gdir)
-            if i < first_new:
-                report.relinked += 1
-    _sweep(dest, records, want, group_size, report, touched)
-    for d in sorted(touched):
-        fmt.fsync_dir(d)
+    apply_links(dest, records, want, reasons, first_new, report)
     report.numbered = len(records)
-    report.linked = sum(
-        1 for i in records if os.path.lexists(os.path.join(dest, link_relpath(i, group_size)))
-    )
     return report
 
 
@@ -553,46 +346,6 @@ def _why_not(rec: MappingRecord, report: ExportReport) -> str:
     if rec.sample_id in out.missing:
         return "indexed but missing on disk"
     return "no longer in the output's index (quarantined or removed)"
-
-
-def _sweep(
-    dest: str,
-    records: dict[int, MappingRecord],
-    want: dict[int, MappingRecord | None],
-    group_size: int,
-    report: ExportReport,
-    touched: set[str],
-) -> None:
-    """Remove what a crash or an unlink left behind: our temps, links without a live number."""
-    for name in sorted(os.listdir(dest)):
-        path = os.path.join(dest, name)
-        if name in (META_NAME, MAPPING_NAME, LOCK_NAME):
-            continue
-        if fmt.is_temp_name(name):
-            os.unlink(path)
-            report.leftovers_removed.append(name)
-            touched.add(dest)
-            continue
-        if not (_GROUP_DIR.match(name) and os.path.isdir(path) and not os.path.islink(path)):
-            report.unknown.append(name)
-            continue
-        for entry in sorted(os.listdir(path)):
-            epath = os.path.join(path, entry)
-            m = _LINK_NAME.match(entry)
-            if fmt.is_temp_name(entry):
-                stale = True
-            elif m:
-                i = int(m.group(1))
-                stale = (
-                    i not in records or want.get(i, records[i]) is None or group_dir(i, group_size) != name
-                )
-            else:
-                report.unknown.append(f"{name}/{entry}")
-                continue
-            if stale and not os.path.isdir(epath):
-                os.unlink(epath)
-                report.leftovers_removed.append(f"{name}/{entry}")
-                touched.add(path)
 
 
 __all__ = [

@@ -31,9 +31,22 @@ CHAT_TEMPLATE = (
 
 VOCAB_SIZE = 1024
 
+# Decoder layers of the tiny target, chosen so that `hsx extract` works on it with no --layers: the
+# EAGLE-3 default capture layers [2, N//2, N-3] must be distinct (6 gives [2, 3, 3], which
+# extraction.layers refuses). 7 would do with three adjacent layers [2, 3, 4]; 8 spreads them
+# ([2, 4, 5]) as on a real model, for one more small layer.
+LAYERS = 8
 
-def model_config_kwargs(vocab_size: int = VOCAB_SIZE, hidden: int = 64, layers: int = 6) -> dict[str, Any]:
-    """DeepseekV3Config arguments of the tiny target (DESIGN.md section 5); scalable for benchmarks."""
+
+def model_config_kwargs(
+    vocab_size: int = VOCAB_SIZE, hidden: int = 64, layers: int = LAYERS
+) -> dict[str, Any]:
+    """DeepseekV3Config arguments of the tiny target; scalable for benchmarks.
+
+    DeepSeek-V3's architecture in miniature: MLA attention (q/kv LoRA ranks, split rope/nope
+    heads), one dense layer then MoE layers (8 routed experts, 2 per token, 1 shared), untied
+    embeddings; the head counts and LoRA ranks grow with `hidden` for the benchmarks' larger builds.
+    """
     scale = hidden // 64 or 1
     return dict(
         vocab_size=vocab_size,
@@ -131,7 +144,9 @@ def build_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = VOCAB_SIZE) 
 # ---------------------------------------------------------------- model
 
 
-def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, hidden: int = 64, layers: int = 6) -> Path:
+def build_tiny_model(
+    out_dir: str | os.PathLike, seed: int = 0, hidden: int = 64, layers: int = LAYERS
+) -> Path:
     """Write the tiny target (config, bf16 safetensors weights, tokenizer) to out_dir; returns it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,9 @@ import argparse
 import sys
 import time
 
-from extraction.operator.fleetstatus import as_json, collect, fleet_total, render
-from extraction.operator.playbook import REPORTS
-from extraction.operator.plot import PlotError, plot_history
+from extraction.fleet.fleetstatus import as_json, collect, fleet_total, render
+from extraction.fleet.playbook import REPORTS
+from extraction.fleet.plot import PlotError, plot_history
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from extraction.operator.playbook import add_playbook_arguments, run_playbook
+from extraction.fleet.playbook import add_playbook_arguments, run_playbook
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

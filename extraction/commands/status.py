@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _plot(statuses: list[dict], path: str) -> int:
     """Draw each output's history; 2 (usage/I-O) when it cannot be drawn."""
-    from extraction.operator.plot import PlotError, plot_history
+    from extraction.fleet.plot import PlotError, plot_history
 
     series = {s["output"]: s.get("history") or [] for s in statuses}
     totals = {s["output"]: s.get("total") for s in statuses}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from extraction.tiny import LAYERS
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -12,7 +14,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("dir", metavar="DIR", help="directory to write (config, safetensors, tokenizer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=64, help="hidden size (benchmarks scale it up)")
-    p.add_argument("--layers", type=int, default=6, help="decoder layers")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=LAYERS,
+        help=f"decoder layers (default {LAYERS}: the default capture layers [2, N//2, N-3] are distinct)",
+    )
     p.set_defaults(func=run)
 
 

@@ -17,6 +17,7 @@ from hsx_run_helpers import (
     run,
 )
 
+from extraction import export_links
 from extraction import export_view as ev
 from extraction.backends.hf import HFBackend
 from extraction.cli import main
@@ -293,7 +294,7 @@ def test_crash_mid_export_leaves_a_view_the_next_run_completes(
 ) -> None:
     out = copy(finished, tmp_path)
     dest = tmp_path / "view"
-    real_make_link, made = ev._make_link, []
+    real_make_link, made = export_links._make_link, []
 
     def dying_make_link(path, target, mode):
         if len(made) == 5:
@@ -301,9 +302,9 @@ def test_crash_mid_export_leaves_a_view_the_next_run_completes(
         made.append(path)
         real_make_link(path, target, mode)
 
-    monkeypatch.setattr(ev, "_make_link", dying_make_link)
+    monkeypatch.setattr(export_links, "_make_link", dying_make_link)
     assert export(capsys, out, dest)[0] == 2
-    monkeypatch.setattr(ev, "_make_link", real_make_link)
+    monkeypatch.setattr(export_links, "_make_link", real_make_link)
     crashed = mapping(dest)
     assert len(crashed) == N and len(links(dest)) == 5  # numbers were logged before any link
     group = dest / "rows_0-2000"

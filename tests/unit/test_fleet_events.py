@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from extraction.cli import main
-from extraction.operator.events import (
+from extraction.fleet.events import (
     FAILED,
     OK,
     UNREACHABLE,
@@ -26,7 +26,7 @@ from extraction.operator.events import (
     LiveTable,
     failure_message,
 )
-from extraction.operator.playbook import cmdline_for, scrub_artifacts
+from extraction.fleet.playbook import cmdline_for, scrub_artifacts
 
 DATA = Path(__file__).parent / "data"
 KEEP_RES = ("msg", "changed", "censored", "rc", "failed", "unreachable", "skipped")

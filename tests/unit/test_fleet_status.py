@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from extraction.cli import main
-from extraction.operator.fleetstatus import (
+from extraction.fleet.fleetstatus import (
     NO_JOB,
     STALLED,
     UNREACHABLE,
@@ -109,7 +109,7 @@ def test_status_plot_draws_the_history(tmp_path, capsys):
 
 def test_fleet_plot_uses_the_slurped_histories(tmp_path):
     pytest.importorskip("matplotlib")
-    from extraction.operator.plot import plot_history
+    from extraction.fleet.plot import plot_history
 
     hosts = collected()
     series = {h.host: h.history for h in hosts}

@@ -54,7 +54,7 @@ def test_states_are_layer_inputs_and_final_norm(fp32: HFBackend) -> None:
     for k, i in enumerate(LAYERS):
         assert torch.equal(r.aux_hidden_state[:, k * h : (k + 1) * h], seen[f"in{i}"][0]), i
     info = fp32.model_info()
-    assert (info.hidden_size, info.num_layers, info.vocab_size, info.dtype) == (64, 6, 1024, "float32")
+    assert (info.hidden_size, info.num_layers, info.vocab_size, info.dtype) == (64, 8, 1024, "float32")
 
 
 def test_results_own_their_bytes(fp32: HFBackend) -> None:

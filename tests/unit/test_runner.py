@@ -625,8 +625,9 @@ def test_cli_end_to_end(tmp_path, tiny_model_dir, capsys) -> None:
     out = tmp_path / "out"
     assert main(["extract", "--config", str(conf), "--output", str(out)]) == 0
     assert len(fmt.load_index(str(out))) == 4
-    assert main(["extract", "--config", str(conf), "--output", str(out), "--layers", "auto"]) == EXIT_USAGE
-    assert "explicit ids" in capsys.readouterr().err
+    # A --layers the model cannot capture (8 layers: canonical ids 1..7) is a usage error that says why.
+    assert main(["extract", "--config", str(conf), "--output", str(out), "--layers", "1,3,8"]) == EXIT_USAGE
+    assert "out of range for a 8-layer model" in capsys.readouterr().err
 
 
 def test_tokenizer_runs_in_a_child_process_same_bits_and_row_errors(

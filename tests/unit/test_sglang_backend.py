@@ -76,7 +76,7 @@ def test_sglang_states_equal_hf_states(server, model_dir):
         assert torch.equal(g.aux_hidden_state, want.aux_hidden_state)
     assert list(Path(dump_dir).iterdir()) == []  # dumps are consumed
     info = backend.model_info()
-    assert (info.hidden_size, info.num_layers, info.dtype) == (64, 6, "bfloat16")
+    assert (info.hidden_size, info.num_layers, info.dtype) == (64, 8, "bfloat16")
 
 
 def test_layer_mismatch_is_refused(server, model_dir):

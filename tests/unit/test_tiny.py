@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from extraction.cli import main
@@ -30,7 +34,7 @@ def test_loads_offline_with_chat_template(tiny_model_dir: Path) -> None:
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     assert config.model_type == "deepseek_v3"
-    assert (config.hidden_size, config.num_hidden_layers, config.n_routed_experts) == (64, 6, 8)
+    assert (config.hidden_size, config.num_hidden_layers, config.n_routed_experts) == (64, 8, 8)
     assert (config.first_k_dense_replace, config.num_experts_per_tok, config.n_shared_experts) == (1, 2, 1)
     assert (config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim) == (48, 32, 8)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -62,3 +66,29 @@ def test_tiny_dataset_deterministic_and_mixed(tmp_path: Path) -> None:
     }
     assert max(lengths) > 3 * min(lengths)
     assert tiny_conversations(5, seed=4) != tiny_conversations(5, seed=3)
+
+
+def test_a_new_user_extracts_from_the_tiny_target_with_defaults(tmp_path: Path) -> None:
+    """The three commands as a new user types them, defaults only: the default capture layers of
+    the tiny target are distinct, so the extract runs and leaves 4 verified shards."""
+    hsx = Path(sys.executable).with_name("hsx")
+    hsx = str(hsx) if hsx.exists() else shutil.which("hsx")
+    assert hsx, "the hsx console script is not installed"
+    typed = ["hsx tiny-model M", "hsx tiny-dataset D -n 4", "hsx extract --model M --dataset D --output O"]
+    for line in typed:
+        argv = [hsx, *shlex.split(line)[1:]]
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{line!r} exited {done.returncode}:\n{done.stderr}"
+    run_json = json.loads((tmp_path / "O" / "run.json").read_text())
+    assert run_json["layer_ids"] == [2, 4, 5]  # [2, N//2, N-3] of the 8-layer tiny target
+    check = subprocess.run(
+        [hsx, "verify", "O", "--level", "full", "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stderr
+    report = json.loads(check.stdout)
+    assert (report["ok"], report["bad"], report["missing"]) == (4, [], [])
+    assert len(list((tmp_path / "O").rglob("*.pt"))) == 4

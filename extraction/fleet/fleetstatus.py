@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from extraction.operator.events import failure_message
-from extraction.operator.playbook import REPORTS, absolute, private_data_dir, runner_env, scrub_artifacts
+from extraction.fleet.events import failure_message
+from extraction.fleet.playbook import REPORTS, absolute, private_data_dir, runner_env, scrub_artifacts
 from extraction.status import _fmt_eta
 
 DEFAULT_OUTPUT_DIR = "/data/hsx/output"

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from extraction.operator.events import FleetProgress, make_display
+from extraction.fleet.events import FleetProgress, make_display
 
 REPO = Path(__file__).resolve().parents[2]
 REPORTS = REPO / "reports"
