@@ -8,10 +8,7 @@ import pkgutil
 import sys
 
 from extraction import __version__, commands
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
+from hsx.exitcodes import EXIT_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 BACKENDS = ("hf", "sglang")
+PUBLISHERS = ("auto", "process", "thread")
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+# Seconds the sglang backend waits for a request's dump after its reply: the server's hook writes
+# behind the reply with up to HSX_DUMP_BUDGET_MB (default 4096 MiB) queued, ~14 s on a ~300 MiB/s
+# disk, plus the queueing in front of it (docs/sglang_hook.md).
+DEFAULT_DUMP_TIMEOUT = 120.0
 
 
 class ConfigError(ValueError):
@@ -51,6 +56,8 @@ class ExtractConfig:
     max_length: int | None = None
     batch_size: int = 8
     concurrency: int = 8
+    dump_timeout: float = DEFAULT_DUMP_TIMEOUT
+    publisher: str = "auto"  # who writes the shards (extraction/runner/publish.py)
     reserve_bytes: int | None = None
     max_consecutive_errors: int = 20
     retries: int = 3
@@ -74,6 +81,8 @@ class ExtractConfig:
         for name in ("batch_size", "concurrency", "num_shards", "max_consecutive_errors"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.dump_timeout > 0:
+            raise ConfigError(f"--dump-timeout must be > 0 seconds, got {self.dump_timeout}")
         for name in ("max_length", "limit", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -82,6 +91,8 @@ class ExtractConfig:
             raise ConfigError(f"--shard-index must be in 0..{self.num_shards - 1}, got {self.shard_index}")
         if self.retries < 0:
             raise ConfigError(f"--retries must be >= 0, got {self.retries}")
+        if self.publisher not in PUBLISHERS:
+            raise ConfigError(f"--publisher must be one of {', '.join(PUBLISHERS)}, got {self.publisher!r}")
         if self.progress not in ("auto", "on", "off"):
             raise ConfigError(f"--progress must be auto, on or off, got {self.progress!r}")
 
@@ -91,6 +102,7 @@ _CONVERTERS: dict[str, Any] = {
     "cpu_threads": int,
     "batch_size": int,
     "concurrency": int,
+    "dump_timeout": float,
     "reserve_bytes": parse_bytes,
     "max_consecutive_errors": int,
     "retries": int,
@@ -117,6 +129,12 @@ _HELP = {
     "max_length": "truncate samples to this many tokens (recorded per sample)",
     "batch_size": "samples per forward (hf) / per round of requests (sglang)",
     "concurrency": "requests in flight (sglang)",
+    "dump_timeout": "seconds to wait for a request's dump files after its reply (sglang; default 120: "
+    "the server's hook writes behind the reply, with up to HSX_DUMP_BUDGET_MB queued: 4096 MiB at "
+    "~300 MiB/s is ~14 s, plus the queueing)",
+    "publisher": "who writes the shards: process (a writer process forked before the model loads, "
+    "fed through shared memory), thread (writer threads in this process), or auto (the default: "
+    "process for the hf backend, thread for sglang); same shards either way",
     "reserve_bytes": "keep at least this much free (e.g. 200G); default max(2%% of fs, 10 shards)",
     "max_consecutive_errors": "abort after this many failed samples in a row",
     "retries": "retries per sample before it is logged as failed",
@@ -141,6 +159,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["choices"] = BACKENDS
         if f.name == "dtype":
             kwargs["choices"] = DTYPE_CHOICES
+        if f.name == "publisher":
+            kwargs["choices"] = PUBLISHERS
         parser.add_argument(flag, **kwargs)
 
 

@@ -3,6 +3,12 @@
 A row's id is its `id` field when it has one, else a hash of its normalized messages, so a
 resume, a second node and a re-ordered file all agree on which sample is which. Rows that cannot
 be used become `RowError`s (line number + reason) and the run goes on without them.
+
+A row is data, not truth: whatever a line holds (invalid JSON, JSON nested a hundred thousand
+deep, a lone surrogate such as JSON's "\\ud83d" - half an emoji, common in scraped chat data -
+in its text or id) becomes one RowError in the scan and never an exception: every string the scan
+lets through (ids, message contents) is valid Unicode, so hashing, node assignment, shard names,
+the tokenizer and errors.jsonl can encode it without a check of their own.
 """
 
 from __future__ import annotations
@@ -72,6 +78,30 @@ class DatasetScan:
     sha256: str = ""
 
 
+def _brief(value: Any) -> str:
+    """A short, safe description of a value from a row for a reason: a string's start, or the
+    type of anything else (never its whole repr: that may be huge or nested too deep to print)."""
+    if isinstance(value, str):
+        return repr(value[:60]) + ("..." if len(value) > 60 else "")
+    if value is None or isinstance(value, bool | int | float):
+        text = repr(value)
+        return text if len(text) <= 60 else text[:60] + "..."
+    return f"a JSON {'array' if isinstance(value, list) else 'object'}"
+
+
+def _valid_text(text: str, where: str) -> str:
+    """`text`, when it is valid Unicode (encodable as UTF-8); ValueError naming the first lone
+    surrogate otherwise. JSON lets a row hold "\\ud83d" alone; nothing downstream can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{where} holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}): "
+            "not valid Unicode text (half of a UTF-16 pair, e.g. a cut emoji); fix or drop the row"
+        ) from None
+    return text
+
+
 def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -81,7 +111,9 @@ def _content_text(content: Any, where: str) -> str:
             if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:
-                raise ValueError(f"{where}: only text content parts are supported, got {part!r:.60}")
+                kind = part.get("type") if isinstance(part, dict) else None
+                what = f"type {_brief(kind)}" if isinstance(part, dict) else _brief(part)
+                raise ValueError(f"{where}: only text content parts are supported, got {what}")
         return "".join(parts)
     raise ValueError(f"{where}: content must be a string, got {type(content).__name__}")
 
@@ -105,36 +137,55 @@ def normalize_row(row: Any) -> tuple[str | None, list[dict[str, str]]]:
             raise ValueError(f"{where} must be an object")
         if role_key not in turn or text_key not in turn:
             raise ValueError(f"{where} needs '{role_key}' and '{text_key}'")
-        role = ROLE_NAMES.get(str(turn[role_key]).lower())
+        given_role = turn[role_key]
+        role = ROLE_NAMES.get(given_role.lower()) if isinstance(given_role, str) else None
         if role is None:
-            raise ValueError(f"{where}: unknown role {turn[role_key]!r}")
-        messages.append({"role": role, "content": _content_text(turn[text_key], where)})
+            raise ValueError(f"{where}: unknown role {_brief(given_role)}")
+        content = _valid_text(_content_text(turn[text_key], where), f"{where}.{text_key}")
+        messages.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant turn: nothing to train on")
     given = row.get("id")
     if given is not None:
         if isinstance(given, bool) or not isinstance(given, str | int) or str(given).strip() == "":
-            raise ValueError(f"'id' must be a non-empty string or integer, got {given!r}")
-        given = str(given)
+            raise ValueError(f"'id' must be a non-empty string or integer, got {_brief(given)}")
+        given = _valid_text(str(given), "'id'")
     return given, messages
+
+
+def _id_of_bad_row(row: Any) -> str | None:
+    """The `id` a rejected row gives, for its RowError: only a usable one (valid text), since the
+    record goes to errors.jsonl and people grep for it."""
+    given = row.get("id") if isinstance(row, dict) else None
+    if isinstance(given, bool) or not isinstance(given, str | int):
+        return None
+    try:
+        return _valid_text(str(given), "'id'")
+    except ValueError:
+        return None
 
 
 def content_id(messages: list[dict[str, str]]) -> str:
     """The stable id of a row without one: a hash of its normalized messages."""
     canon = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return "h" + hashlib.sha256(canon.encode("utf-8")).hexdigest()[:24]
+    # surrogatepass: the same bytes as "strict" for valid text (all a scanned row can hold); for a
+    # lone surrogate, a hash instead of a UnicodeEncodeError
+    return "h" + hashlib.sha256(canon.encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
 def parse_line(raw: bytes, line: int) -> Conversation:
     """One JSONL line -> Conversation; RowError with the line number otherwise."""
     try:
         row = json.loads(raw)
+    except RecursionError:
+        raise RowError(line, "invalid JSON: nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise RowError(line, f"invalid JSON: {e}") from None
     try:
         given, messages = normalize_row(row)
-    except ValueError as e:
-        raise RowError(line, str(e), row.get("id") if isinstance(row, dict) else None) from None
+    except (ValueError, RecursionError) as e:
+        reason = str(e) if isinstance(e, ValueError) else "nested too deeply"
+        raise RowError(line, reason, _id_of_bad_row(row)) from None
     return Conversation(given if given is not None else content_id(messages), messages, line)
 
 
@@ -155,11 +206,14 @@ def scan_dataset(path: str | os.PathLike) -> DatasetScan:
             except RowError as e:
                 scan.errors.append(e)
                 continue
+            except Exception as e:  # noqa: BLE001 - one row must never stop the run at every start
+                scan.errors.append(RowError(line_no, f"unusable row ({type(e).__name__}: {str(e)[:200]})"))
+                continue
             if conv.sample_id in first_line:
                 scan.errors.append(
                     RowError(
                         line_no,
-                        f"duplicate id {conv.sample_id!r} (first on line {first_line[conv.sample_id]})",
+                        f"duplicate id {_brief(conv.sample_id)} (first on line {first_line[conv.sample_id]})",
                         conv.sample_id,
                     )
                 )
@@ -230,8 +284,8 @@ class ChatTokenizer:
     its closing tokens, which the drafter must learn too). Templates that rewrite earlier turns
     fall back to finding the content text itself.
 
-    Runs in the runner's tokenizer process (or, with HSX_TOKENIZER=thread, on a thread beside the
-    forward pass, which is why it keeps its time under the GIL short): a conversation's prefixes
+    Runs in the runner's tokenizer process (or, with Runner(tokenizer_process=False), on a thread
+    beside the forward pass, which is why it keeps its time under the GIL short): a conversation's prefixes
     are rendered in two batched template calls, a fast tokenizer's Rust backend is called directly
     (`encode_batch` releases the GIL; the transformers wrapper around it is Python), and the loss
     mask is computed on tensors. The direct call is trusted only after it gave exactly what

@@ -18,7 +18,8 @@ import re
 from typing import TYPE_CHECKING
 
 from extraction.export_mapping import MAPPING_NAME, META_NAME, ExportError, MappingRecord
-from extraction.shards import format as fmt
+from hsx.fsutil import fsync_dir
+from hsx.layout import is_temp_name, temp_name
 
 if TYPE_CHECKING:
     from extraction.export_view import ExportReport
@@ -54,7 +55,7 @@ def _link_ok(path: str, target: str, mode: str, target_stat: os.stat_result | No
 def _make_link(path: str, target: str, mode: str) -> None:
     """Create or replace `path` atomically: a link at a temp name, then rename over."""
     directory, name = os.path.split(path)
-    tmp = os.path.join(directory, fmt.temp_name(name))
+    tmp = os.path.join(directory, temp_name(name))
     if mode == "symlink":
         os.symlink(target, tmp)
     else:
@@ -71,7 +72,7 @@ def _make_link(path: str, target: str, mode: str) -> None:
 
 def probe_hardlink(target: str, dest: str) -> None:
     """Fail early (nothing done) when DEST cannot hold hard links to OUTPUT's shards."""
-    tmp = os.path.join(dest, fmt.temp_name("probe"))
+    tmp = os.path.join(dest, temp_name("probe"))
     try:
         os.link(target, tmp, follow_symlinks=False)
     except OSError as e:
@@ -136,7 +137,7 @@ def apply_links(
                 report.relinked += 1
     _sweep(dest, records, want, group_size, report, touched)
     for d in sorted(touched):
-        fmt.fsync_dir(d)
+        fsync_dir(d)
     report.linked = sum(
         1 for i in records if os.path.lexists(os.path.join(dest, link_relpath(i, group_size)))
     )
@@ -155,7 +156,7 @@ def _sweep(
         path = os.path.join(dest, name)
         if name in (META_NAME, MAPPING_NAME, LOCK_NAME):
             continue
-        if fmt.is_temp_name(name):
+        if is_temp_name(name):
             os.unlink(path)
             report.leftovers_removed.append(name)
             touched.add(dest)
@@ -166,7 +167,7 @@ def _sweep(
         for entry in sorted(os.listdir(path)):
             epath = os.path.join(path, entry)
             m = _LINK_NAME.match(entry)
-            if fmt.is_temp_name(entry):
+            if is_temp_name(entry):
                 stale = True
             elif m:
                 i = int(m.group(1))

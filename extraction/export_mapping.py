@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from extraction.shards import format as fmt
-from extraction.shards.manifest import RunManifest
+from hsx.fsutil import atomic_write_bytes
+from hsx.manifest import RunManifest
 
 VIEW_FORMAT = "hsx-export-view"
 VIEW_VERSION = 1
@@ -55,12 +55,31 @@ def read_meta(dest: str) -> dict[str, Any] | None:
             meta = json.load(f)
     except FileNotFoundError:
         return None
+    except RecursionError:
+        raise ExportError(f"{path}: unreadable export view metadata: JSON nested too deeply") from None
     except (OSError, ValueError) as e:
         raise ExportError(f"{path}: unreadable export view metadata: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != VIEW_FORMAT:
-        raise ExportError(f"{path}: not an hsx export view (format {meta.get('format')!r})")
-    if not isinstance(meta.get("version"), int) or meta["version"] > VIEW_VERSION:
-        raise ExportError(f"{path}: export view version {meta.get('version')!r} is newer than this code")
+    if not isinstance(meta, dict):
+        raise ExportError(f"{path}: not an hsx export view (not a JSON object)")
+    if meta.get("format") != VIEW_FORMAT:
+        raise ExportError(f"{path}: not an hsx export view (format {str(meta.get('format'))[:60]!r})")
+    version = meta.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version > VIEW_VERSION:
+        raise ExportError(f"{path}: export view version {str(version)[:20]!r} is newer than this code")
+    # What the export uses as it is: refused here rather than trusted there.
+    group_size = meta.get("group_size")
+    problems = [
+        *([] if isinstance(meta.get("layout"), str) else ["layout is not a string"]),
+        *([] if meta.get("link") in ("symlink", "hardlink") else ["link is not symlink or hardlink"]),
+        *(
+            []
+            if isinstance(group_size, int) and not isinstance(group_size, bool) and group_size >= 1
+            else ["group_size is not a positive integer"]
+        ),
+        *([] if isinstance(meta.get("run", {}), dict) else ["run is not an object"]),
+    ]
+    if problems:
+        raise ExportError(f"{path}: damaged export view metadata: {'; '.join(problems)}")
     return meta
 
 
@@ -75,7 +94,7 @@ def write_meta(dest: str, layout: str, link: str, group_size: int, run: RunManif
         "run": {k: v for k, v in run.to_dict().items() if k not in ("extra", "created_at")},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    fmt.atomic_write_bytes(os.path.join(dest, META_NAME), json.dumps(meta, indent=2).encode() + b"\n")
+    atomic_write_bytes(os.path.join(dest, META_NAME), json.dumps(meta, indent=2).encode() + b"\n")
     return meta
 
 
@@ -97,11 +116,8 @@ def read_mapping(dest: str) -> tuple[dict[int, MappingRecord], bool]:
         try:
             if not line.endswith(b"\n"):
                 raise ValueError("no newline")
-            d = json.loads(line)
-            rec = MappingRecord(int(d["i"]), str(d["id"]), str(d["output"]), str(d["shard"]))
-            if rec.i < 0 or not isinstance(d["i"], int):
-                raise ValueError("bad number")
-        except (ValueError, KeyError, TypeError) as e:
+            rec = _parse_mapping_line(line)
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             if n == len(lines):
                 torn = True
                 break
@@ -119,6 +135,22 @@ def read_mapping(dest: str) -> tuple[dict[int, MappingRecord], bool]:
                 f"{path}: sample {rec.sample_id!r} has two numbers ({by_id[rec.sample_id]}, {rec.i})"
             )
     return records, torn
+
+
+def _parse_mapping_line(line: bytes) -> MappingRecord:
+    """One complete line -> its record, the types _mapping_line writes; ValueError/KeyError/
+    TypeError/RecursionError (json: nested too deeply) otherwise. Nothing is coerced: a line that
+    is not what we wrote is damaged, not read as something close to it."""
+    d = json.loads(line)
+    if not isinstance(d, dict):
+        raise ValueError("not a JSON object")
+    i = d["i"]
+    if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+        raise ValueError("bad number")
+    fields = (d["id"], d["output"], d["shard"])
+    if not all(isinstance(v, str) for v in fields):
+        raise ValueError("id, output and shard must be strings")
+    return MappingRecord(i, *fields)
 
 
 def _mapping_line(rec: MappingRecord) -> bytes:
@@ -143,4 +175,4 @@ def append_mapping(dest: str, recs: Sequence[MappingRecord]) -> None:
 def rewrite_mapping(dest: str, records: dict[int, MappingRecord]) -> None:
     """Replace a mapping whose last line was torn by its good lines (atomic rename)."""
     data = b"".join(_mapping_line(records[i]) for i in sorted(records))
-    fmt.atomic_write_bytes(os.path.join(dest, MAPPING_NAME), data)
+    atomic_write_bytes(os.path.join(dest, MAPPING_NAME), data)

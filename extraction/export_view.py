@@ -12,8 +12,13 @@ at verified shards (tensors are never copied), plus::
     DEST/mapping.jsonl   append-only: data_i -> sample id, source output, shard path
 
 Numbering is stable: a number, once given, always means the same sample (mapping.jsonl is only
-appended to). A sample that stops being eligible (quarantined, damaged) loses its link but keeps
-its number; if it comes back it gets the same number again.
+appended to). The mapping supplies nothing but that number: what a link points at is always the
+verified index entry of its sample in the given output, never the mapping line's `shard` (a file we
+wrote once and someone may have edited since: followed, it could make --link hardlink, run as root,
+link any file on the filesystem into the training set). A line whose path disagrees with the
+index is reported (`mapping_disagreed`) and corrected by a new line for the same number. A
+sample that stops being eligible (quarantined, damaged) loses its link but keeps its number; if it
+comes back it gets the same number again.
 
 Crash safety: the mapping line is appended and fsynced before its link is made, links are
 made at a temp name and renamed into place, and every run reconciles DEST with the mapping
@@ -34,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import hsx.verify
 from extraction.export_links import (
     DEFAULT_GROUP_SIZE,
     LOCK_NAME,
@@ -52,9 +58,11 @@ from extraction.export_mapping import (
     rewrite_mapping,
     write_meta,
 )
-from extraction.shards import format as fmt
-from extraction.shards.format import BadShard, ManifestError, VerifyReport
-from extraction.shards.manifest import RunManifest, manifest_mismatches
+from hsx.exitcodes import EXIT_FAILED, EXIT_OK
+from hsx.index import IndexEntry, load_index
+from hsx.layout import MANIFEST_NAME
+from hsx.manifest import ManifestError, RunManifest, manifest_mismatches, read_manifest_dict
+from hsx.verify import LEVELS, BadShard, VerifyReport
 
 LAYOUTS = ("specforge",)
 LINK_MODES = ("symlink", "hardlink")
@@ -89,6 +97,9 @@ class ExportReport:
     duplicates: list[dict[str, str]] = field(default_factory=list)  # {id, output}: copy not used
     leftovers_removed: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # entries in DEST we do not own, left alone
+    # {i, id, output, mapping_shard, shard}: mapping lines whose shard path is not the verified
+    # index entry's; not followed (the link goes to `shard`), and a correcting line is appended
+    mapping_disagreed: list[dict[str, Any]] = field(default_factory=list)
     mapping_torn_tail: bool = False
     seconds: float = 0.0
 
@@ -99,7 +110,7 @@ class ExportReport:
     @property
     def exit_code(self) -> int:
         """0: every eligible shard is linked; 1: some shards were left out as bad or missing."""
-        return 1 if self.left_out_bad else 0
+        return EXIT_FAILED if self.left_out_bad else EXIT_OK
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -119,10 +130,10 @@ def _verify(output: str, level: str, workers: int) -> VerifyReport:
         from extraction.shards.verify import verify_output
 
         return verify_output(output, level, workers=workers)
-    return fmt.verify_output(output, level, workers=workers)
+    return hsx.verify.verify_output(output, level, workers=workers)
 
 
-def _eligible(index: dict[str, fmt.IndexEntry], report: VerifyReport) -> dict[str, fmt.IndexEntry]:
+def _eligible(index: dict[str, IndexEntry], report: VerifyReport) -> dict[str, IndexEntry]:
     """The entries of an index snapshot taken before verifying whose shards passed.
 
     The snapshot must predate the verification: the writer renames a shard into place before
@@ -167,8 +178,8 @@ def export_view(
         raise ExportError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if link is not None and link not in LINK_MODES:
         raise ExportError(f"link must be one of {', '.join(LINK_MODES)}, got {link!r}")
-    if level not in fmt.LEVELS:
-        raise ExportError(f"level must be one of {', '.join(fmt.LEVELS)}, got {level!r}")
+    if level not in LEVELS:
+        raise ExportError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
     if group_size is not None and group_size < 1:
         raise ExportError(f"group size must be at least 1, got {group_size}")
     if not outputs:
@@ -187,11 +198,11 @@ def export_view(
     # The run every output must belong to (refuse to mix runs in one training set).
     runs = {}
     for out in real_outputs:
-        runs[out] = fmt.read_manifest_dict(out)
+        runs[out] = read_manifest_dict(out)
     first = real_outputs[0]
-    base = _run_identity(runs[first], os.path.join(first, fmt.MANIFEST_NAME))
+    base = _run_identity(runs[first], os.path.join(first, MANIFEST_NAME))
     for out in real_outputs[1:]:
-        diff = manifest_mismatches(base, _run_identity(runs[out], os.path.join(out, fmt.MANIFEST_NAME)))
+        diff = manifest_mismatches(base, _run_identity(runs[out], os.path.join(out, MANIFEST_NAME)))
         if diff:
             raise ExportError(f"{out} and {first} are different runs: " + "; ".join(diff))
 
@@ -272,10 +283,10 @@ def _export_locked(
     report.mapping_torn_tail = torn
 
     # 1. Verify every output; an I/O error anywhere stops everything (not evidence of bad data).
-    eligible: dict[str, dict[str, fmt.IndexEntry]] = {}
+    eligible: dict[str, dict[str, IndexEntry]] = {}
     for out in outputs:
         log(f"verifying {out} ({level})")
-        snapshot = fmt.load_index(out)
+        snapshot = load_index(out)
         vr = _verify(out, level, workers)
         if vr.errors:
             raise ExportError(
@@ -294,7 +305,20 @@ def _export_locked(
     source: dict[str, str] = {}  # sample id -> the output its number links to (this run)
     for i, rec in sorted(records.items()):
         if rec.output in given and rec.sample_id in eligible[rec.output]:
-            want[i] = rec
+            verified = eligible[rec.output][rec.sample_id].path
+            if rec.shard == verified:
+                want[i] = rec
+            else:  # the mapping only numbers the sample; where its shard is, the index says
+                want[i] = MappingRecord(i, rec.sample_id, rec.output, verified)
+                appended.append(want[i])
+                report.mapping_disagreed.append(
+                    {"i": i, "id": rec.sample_id, "output": rec.output, "mapping_shard": rec.shard,
+                     "shard": verified}
+                )
+                log(
+                    f"{MAPPING_NAME}: data_{i} ({rec.sample_id!r}) names shard {rec.shard!r}, the verified "
+                    f"index of {rec.output} says {verified!r}: not followed; linking the index's shard"
+                )
         elif (other := next((o for o in outputs if rec.sample_id in eligible[o]), None)) is not None:
             want[i] = MappingRecord(i, rec.sample_id, other, eligible[other][rec.sample_id].path)
             appended.append(want[i])

@@ -20,7 +20,7 @@ import re
 import socket
 import time
 
-from extraction.status import pid_alive
+from hsx.status import pid_alive
 
 LOCK_NAME = "extract.lock"
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}

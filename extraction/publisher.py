@@ -1,8 +1,15 @@
-"""Publishing one batch's shards: disk guard, NaN/Inf check, atomic write, one index commit.
+"""The Publisher interface, and the shard publishing every publisher shares.
 
-Shared by the runner's writer thread and its writer process (extraction/writerproc.py). It says
-what happened (an Outcome) and changes nothing else: the run's bookkeeping (counters, errors.jsonl,
-the pause, the abort) stays with the runner, in the process that owns the run.
+A Publisher takes the forward pass's batches (`Work`) to indexed shards beside the forward pass.
+Two implementations, chosen by ONE option, `ExtractConfig.publisher` (`--publisher`; see
+extraction/runner/publish.py's make_publisher): ThreadPublisher (writer threads in the runner's
+process; the sglang backend's default) and ProcessPublisher (a forked writer process fed through
+a shared buffer, extraction/runner/publish_process.py; the hf backend's default).
+
+Both publish a batch with a BatchPublisher (here: disk guard, NaN/Inf check, atomic shard, one
+index commit a batch), the writer process in its child. A BatchPublisher says what happened (an
+Outcome) and changes nothing else: the run's bookkeeping (counters, errors.jsonl, the pause, the
+abort) stays with the runner's Ledger, in the process that owns the run.
 """
 
 from __future__ import annotations
@@ -12,13 +19,31 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy
 import torch
 
+from extraction.backends.base import Sample, SampleStates
 from extraction.diskguard import DiskGuard, DiskLow, estimate_shard_bytes
-from extraction.shards import DiskFullError, IndexEntry, ShardDataError, ShardWriter
-from extraction.shards import format as fmt
+from extraction.shards import DiskFullError, ShardDataError, ShardWriter
+from hsx import cores
+from hsx.index import IndexEntry
+from hsx.layout import KEY_AUX, KEY_HIDDEN
+
+# Once the forward pass is over nothing competes with the publishing for the GIL: the batches
+# still queued (the last one or two, which the run waits for) are published by up to this many
+# threads at once (never more than the usable cores, never fewer than the run's writer threads).
+DRAIN_WRITER_THREADS = 8
+
+# extract_async's `host_empty`: host tensors of these (shape, dtype)s for a batch's states, or None
+HostEmpty = Callable[[list[tuple[tuple[int, ...], torch.dtype]]], "list[torch.Tensor] | None"]
+
+
+def drain_threads(writer_threads: int) -> int:
+    """Threads publishing a batch once the forward pass is over."""
+    return max(writer_threads, min(DRAIN_WRITER_THREADS, cores.usable_cores()))
+
 
 _EXPONENT = {
     torch.bfloat16: (torch.int16, 0x7F80),
@@ -30,10 +55,10 @@ _EXPONENT = {
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN/Inf: no element with an all-ones exponent, found by a masked max over the bits.
 
-    In NumPy, not torch: this runs on the writer threads, and a torch op there starts an OpenMP
-    team of its own (torch.get_num_threads() threads) beside the forward pass's, which then waits
-    at its barriers for cores: on a 16-core host the CPU runner ran at 0.33x of a forward-only
-    loop. NumPy's elementwise ops use one thread, and are 2-10x faster here than torch's on one."""
+    In NumPy, not torch: this runs on the publishing threads, and a torch op there would start an
+    OpenMP team of its own (torch.get_num_threads() threads) beside the forward pass's, which then
+    waits at its barriers for cores. NumPy's elementwise ops use one thread. No torch op runs
+    here but views (a test checks)."""
     spec = _EXPONENT.get(t.dtype)
     if spec is None or t.numel() == 0 or t.stride(-1) != 1 or t.device.type != "cpu":
         return bool(torch.isfinite(t).all())
@@ -65,10 +90,10 @@ class Item:
         """The name of a tensor holding NaN/Inf, or None; trusts the backend's check if it made one."""
         if self.finite is True:
             return None
-        for key, t in ((fmt.KEY_HIDDEN, self.hidden_state), (fmt.KEY_AUX, self.aux_hidden_state)):
+        for key, t in ((KEY_HIDDEN, self.hidden_state), (KEY_AUX, self.aux_hidden_state)):
             if not all_finite(t):
                 return key
-        return None if self.finite is None else f"{fmt.KEY_HIDDEN} or {fmt.KEY_AUX}"
+        return None if self.finite is None else f"{KEY_HIDDEN} or {KEY_AUX}"
 
 
 @dataclass
@@ -82,6 +107,121 @@ class Outcome:
     last_free: int | None = None  # the guard's own last figure (the pause message quotes it)
     largest: int = 0  # the guard's largest shard so far (its reserve grows with it)
     publish_s: float = 0.0
+
+
+@dataclass
+class Work:
+    """One planned batch on its way from the tokenizer through the forward to a Publisher: every
+    sample ran; only the `pending` ones (not done before) are published."""
+
+    samples: list[Sample]
+    pending: set[str]
+    results: list[SampleStates] = field(default_factory=list)
+    ready: Callable[[], Any] | None = None  # blocks until the results' tensors are on the host
+    batch: tuple[torch.Tensor, torch.Tensor] | None = None  # the results' states are views of these
+    allocs: list[int] = field(default_factory=list)  # its blocks of the writer process's buffer
+
+    def items(self) -> list[Item]:
+        """The pending samples' Items."""
+        return [
+            Item(s.sample_id, s.input_ids, s.loss_mask, st.hidden_state, st.aux_hidden_state, st.finite)
+            for s, st in zip(self.samples, self.results, strict=True)
+            if s.sample_id in self.pending
+        ]
+
+
+class Ledger(Protocol):
+    """The run's bookkeeping a Publisher reports into (the runner's Lifecycle). Its methods may be
+    called from the publisher's threads."""
+
+    stop_event: threading.Event  # set: the run stops (the forward takes no new batch)
+    forward_done: threading.Event  # set: no batch will be put any more (the drain)
+    timings: dict[str, float]
+
+    def log(self, msg: str) -> None: ...
+
+    def apply(self, work: Work, outcome: Outcome) -> None:
+        """A published batch's outcome into the run: failed samples, the pause, the counters."""
+
+    def sample_failed(self, sample: Sample, reason: str, attempts: int | None = None) -> None: ...
+
+    def writer_failed(self, e: BaseException) -> str:
+        """The publishing side raised: a full disk pauses the run, anything else fails it; the
+        reason, logged. The caller stops the run."""
+        ...
+
+    def fail(self, reason: str) -> None:
+        """End the run as failed (the first reason wins), logged; stops the run."""
+
+    def stopped_writing(self) -> bool:
+        """True once nothing more may be published (a second signal, or a pause)."""
+        ...
+
+
+class Publisher(Protocol):
+    """Takes the forward's batches to indexed shards, beside the forward pass.
+
+    The calls, in the runner's order: constructed before the backend loads and before any other
+    helper process is forked; `attach(backend)` once the backend is up; `start()`; then, from the
+    forward thread only, `put(work)` for each batch the forward produced and `release_attempt()`
+    after a forward attempt that produced none; `drain()` once the forward pass is over;
+    `finish()`, which returns once every batch put is published or dropped; `close()` last and
+    always (after an error too, or when start() never ran). `abandon()` may come at any time
+    (a second signal).
+
+    What every implementation promises:
+    - each pending sample of a batch put is published once (an atomic shard, indexed with its
+      batch or part of a batch), or reported failed (through ledger.apply or
+      ledger.sample_failed), or left pending (the run stopped writing, abandon(), a pause): a
+      rerun redoes it; nothing is half-written or indexed twice;
+    - every outcome reaches ledger.apply in the runner's process;
+    - a failure of the publishing side itself goes to ledger.writer_failed or ledger.fail and
+      stops the run; it never leaves the forward thread blocked in put();
+    - put() blocks only for back-pressure (a full queue, no room in the buffer).
+    """
+
+    kind: str  # "thread" or "process": who writes the shards
+    put_key: str  # the timings key the forward thread adds its time in put() to
+    # Set by attach(): where the backend may write a batch's host states itself
+    # (extract_async(host_empty=...)); None: in memory of the backend's own.
+    host_empty: HostEmpty | None
+
+    def attach(self, backend: Any) -> None: ...
+
+    def start(self) -> None: ...
+
+    def put(self, work: Work) -> None: ...
+
+    def release_attempt(self) -> None:
+        """Free what a failed forward attempt took of the publisher's memory (host_empty's)."""
+
+    def drain(self) -> None:
+        """The forward pass is over: publish what is left with more threads."""
+
+    def finish(self) -> None: ...
+
+    def abandon(self) -> None:
+        """A second signal: publish nothing more (what is left stays pending)."""
+
+    def close(self) -> None: ...
+
+
+def wait_ready(work: Work, ledger: Ledger) -> bool:
+    """Block until the batch's states are on the host; False (its pending samples failed) when the
+    device reports an error there. Times the wait as writer_wait_copy_s."""
+    if work.ready is None:
+        return True
+    t0 = time.perf_counter()
+    try:
+        work.ready()
+    except Exception as e:  # an asynchronous device error surfaces here
+        for sample in work.samples:
+            if sample.sample_id in work.pending:
+                ledger.sample_failed(sample, f"copy to host failed: {type(e).__name__}: {e}")
+        return False
+    finally:
+        ledger.timings["writer_wait_copy_s"] += time.perf_counter() - t0
+    return True
 
 
 class BatchPublisher:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from extraction.status import process_gone
+from hsx.status import process_gone
 
 FACTS_DIR = "facts"
 HOSTS_FILE = "hosts.json"
@@ -42,8 +42,29 @@ def _get(d: Any, *keys: str, default: Any = None) -> Any:
 def _int(v: Any) -> int | None:
     try:
         return int(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: Infinity in a facts file
         return None
+
+
+def quarantined_count(shards: Any) -> tuple[int, bool]:
+    """(how many shards shard_verify quarantined, whether that is a lower bound) from its result.
+
+    The module's lists stop at its `max_listed`; its counts do not. Its `quarantined_count` is the
+    answer; a result without one (a module from before it) has only the list, and when the `bad`
+    list is visibly cut (shorter than bad_count) and the quarantined list is as long as it, that
+    list was cut at the same cap: at least that many, and as many as were bad to move."""
+    if not isinstance(shards, dict):
+        return 0, False
+    given = shards.get("quarantined_count")
+    if not isinstance(given, bool) and (count := _int(given)) is not None:
+        return count, False
+    listed = shards.get("quarantined")
+    listed_n = len(listed) if isinstance(listed, list) else 0
+    bad_listed = shards.get("bad")
+    cap = len(bad_listed) if isinstance(bad_listed, list) else None
+    bad = _int(shards.get("bad_count")) or 0
+    cut = cap is not None and 0 < cap < bad and listed_n >= cap
+    return listed_n, cut
 
 
 def stage_of_task(task_name: str | None) -> str | None:
@@ -106,14 +127,15 @@ def _checks(f: dict[str, Any]) -> list[dict[str, Any]]:
     shards = f.get("shard_verify_result")
     if shards and not shards.get("skipped"):
         bad = _int(shards.get("bad_count")) or 0
-        quarantined = len(shards.get("quarantined") or [])
+        quarantined, at_least = quarantined_count(shards)
         missing = _int(shards.get("missing_count")) or 0
-        ok = bad == 0 or quarantined >= bad or bool(shards.get("report_only"))
+        ok = bad == 0 or quarantined >= bad or at_least or bool(shards.get("report_only"))
         add(
             "shards",
             ok,
             f"{shards.get('level')}: {shards.get('ok')} ok, {bad} bad, {missing} missing, "
-            f"{quarantined} quarantined, {shards.get('orphans_removed', 0)} temp files removed",
+            f"{'at least ' if at_least else ''}{quarantined} quarantined, "
+            f"{shards.get('orphans_removed', 0)} temp files removed",
         )
     deploy = f.get("extraction_deploy_result")
     if deploy:
@@ -188,7 +210,7 @@ def host_report(facts: dict[str, Any]) -> dict[str, Any]:
             k: job.get(k)
             for k in ("unit", "active_state", "state", "started", "restarted", "making_progress")
         },
-        "shards_quarantined": len(_get(facts, "shard_verify_result", "quarantined", default=[]) or []),
+        "shards_quarantined": quarantined_count(facts.get("shard_verify_result"))[0],
         "units_changed": _get(facts, "gpu_reclaim_result", "units_changed", default=[]),
         "processes_ended": len(_get(facts, "gpu_reclaim_result", "processes_ended", default=[]) or []),
         "patch": facts.get("sglang_patch_result"),

@@ -148,9 +148,8 @@ def source_digest(source: Path, constraints: Path) -> str:
     """
     h = hashlib.sha256()
     files = [source / "pyproject.toml", constraints]
-    files += sorted(
-        p for p in (source / "extraction").rglob("*") if p.is_file() and "__pycache__" not in p.parts
-    )
+    for package in (source / "extraction", source / "module_utils" / "hsx"):  # the wheel's two packages
+        files += sorted(p for p in package.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     for path in files:
         h.update(str(path.relative_to(source) if path.is_relative_to(source) else path).encode() + b"\0")
         h.update(hashlib.sha256(path.read_bytes()).digest())

@@ -3,8 +3,7 @@
 Why: a writer thread shares the GIL with the forward pass. Every system call it makes (write,
 fsync, rename, statvfs) releases the GIL, and taking it back means waiting for the forward
 thread, whose Python dispatch is what bounds a forward pass (every op on the CPU; the MoE layers
-on the GPU): each hand-over takes time from it. Even a writer that wrote nothing cost the CPU
-runner 11-16% (docs/benchmarks.md). A child process has a GIL of its own.
+on the GPU): each hand-over takes time from it. A child process has a GIL of its own.
 
 How: the child is forked before the model loads (so it never holds CUDA state). The states
 travel through an `Arena`, an anonymous shared mapping made before the fork (MAP_SHARED |
@@ -13,7 +12,8 @@ arena is registered as pinned memory, and each batch's copy to the host lands in
 on the CPU the forward writes its states there. A small message per batch (ids, tokens, where
 each tensor lies: `WireItem`) goes down a pipe; the child publishes the batch with the same
 BatchPublisher a writer thread uses and sends back its Outcome; then the batch's space is reused.
-The run's bookkeeping (counters, errors.jsonl, the pause, status.json) stays in this process.
+The run's bookkeeping (counters, errors.jsonl, the pause, status.json) stays in this process: its
+side of the protocol is extraction/runner/publish_process.py (ProcessPublisher).
 
 The child ignores SIGINT and SIGTERM (the runner decides when it stops, as for the tokenizer),
 and is killed with this process (PR_SET_PDEATHSIG): a kill -9 of the runner does not leave a

@@ -140,8 +140,16 @@ import time
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.hsx_shard_format import MANIFEST_NAME, read_index
-from ansible.module_utils.hsx_status import pid_alive, read_status
+from ansible.module_utils.hsx.index import read_index
+from ansible.module_utils.hsx.layout import MANIFEST_NAME
+from ansible.module_utils.hsx.status import pid_alive, read_status
+
+ARGUMENT_SPEC = dict(
+    output_dir=dict(type="path", required=True),
+    progress_window=dict(type="int", default=120),
+    min_done_increase=dict(type="int", default=1),
+    baseline_done=dict(type="int"),
+)
 
 
 def _parse_time(text: Any) -> float | None:
@@ -220,20 +228,22 @@ class ExtractionStatus:
         return recent
 
 
+class ExtractionStatusModule:
+    """The module: reads the output with the task's arguments; changes nothing, also outside check mode."""
+
+    def __init__(self, module: AnsibleModule):
+        self.module = module
+        self.params = module.params
+
+    def run(self) -> dict[str, Any]:
+        p = self.params
+        status = ExtractionStatus(p["output_dir"], p["progress_window"], p["baseline_done"], p["min_done_increase"])
+        return dict(status.read(), changed=False)
+
+
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
-            "output_dir": {"type": "path", "required": True},
-            "progress_window": {"type": "int", "default": 120},
-            "baseline_done": {"type": "int"},
-            "min_done_increase": {"type": "int", "default": 1},
-        },
-        supports_check_mode=True,
-    )
-    p = module.params
-    result = ExtractionStatus(p["output_dir"], p["progress_window"], p["baseline_done"],
-                              p["min_done_increase"]).read()
-    module.exit_json(changed=False, **result)
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    module.exit_json(**ExtractionStatusModule(module).run())
 
 
 if __name__ == "__main__":

@@ -17,13 +17,10 @@ description:
       zombie, its start time has not changed since it was listed) and it holds an NVIDIA device open
       (C(/dev/nvidia*) among its file descriptors). A pid NVML reports that is not visible here (a process in
       another container) is reported as such and never signalled, since the number may name a different process
-      in this namespace.
-    - Processes of the systemd units in O(protect_units) (read from C(/proc/PID/cgroup)) are never ended,
-      whatever O(force) says.
-    - On a host without an NVIDIA driver (NVML cannot start, or nvidia-ml-py is missing and no driver is
-      installed) the result is C(gpus=0) and nothing fails, unless O(require_gpus=true).
-    - The logic lives in the class C(GpuReclaimer), which imports without Ansible, so the same code runs on a
-      GPU machine that has no Ansible (see C(tests/gpu/test_gpu_reclaim.py)).
+      in this namespace. What /proc says about a pid is read by module_utils C(hsx.procfs).
+    - The logic lives in the class C(GpuReclaimer), which imports without Ansible (C(hsx.procfs) then comes
+      from the hsx package), so the same code runs on a GPU machine that has no Ansible (see
+      C(tests/gpu/test_gpu_reclaim.py)).
 version_added: "0.1.0"
 author:
     - hsx maintainers
@@ -46,19 +43,18 @@ options:
         elements: str
         default: []
     force:
-        description:
-            - End every visible GPU process, whatever its command line (still never those of O(protect_units)).
+        description: End every visible GPU process, whatever its command line (still never those of O(protect_units)).
         type: bool
         default: false
     protect_units:
         description:
-            - systemd unit names (for example V(hsx-sglang-server.service)) whose processes are never ended.
+            - systemd unit names (for example V(hsx-sglang-server.service)) whose processes (by C(/proc/PID/cgroup))
+              are never ended, whatever O(force) says.
         type: list
         elements: str
         default: []
     grace_seconds:
-        description:
-            - Seconds between SIGTERM and SIGKILL.
+        description: Seconds between SIGTERM and SIGKILL.
         type: float
         default: 15
     timeout_seconds:
@@ -82,6 +78,8 @@ options:
     require_gpus:
         description:
             - Fail when there is no NVIDIA driver, NVML cannot start, nvidia-ml-py is missing or no GPU is found.
+            - Without it, a host without an NVIDIA driver (NVML cannot start, or nvidia-ml-py is missing and no
+              driver is installed) returns RV(gpus=0) and nothing fails.
         type: bool
         default: false
 attributes:
@@ -172,7 +170,6 @@ devices_after:
     returned: always
     type: list
     elements: dict
-    sample: []
 processes:
     description: Every GPU compute process NVML reports, one entry per pid, with what was done to it.
     returned: always
@@ -231,19 +228,22 @@ msg:
     sample: "ended 1 process(es) (1 with SIGTERM only, 0 needed SIGKILL); every GPU below 2048 MiB"
 """
 
-import ctypes.util  # noqa: E402
-import os  # noqa: E402
-import pwd  # noqa: E402
-import re  # noqa: E402
-import signal  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+import ctypes.util
+import os
+import re
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
 
 try:
     from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 except ImportError:  # The GPU machine has no Ansible: GpuReclaimer is used directly there.
     AnsibleModule = None
+try:
+    from ansible.module_utils.hsx.procfs import ProcInfo, ProcTable
+except ImportError:  # Not run by Ansible: the same file, from the hsx package (module_utils/hsx).
+    from hsx.procfs import ProcInfo, ProcTable
 
 try:
     import pynvml
@@ -253,6 +253,17 @@ except ImportError:
 else:
     PYNVML_IMPORT_ERROR = None
 
+ARGUMENT_SPEC = dict(
+    state=dict(type="str", default="present", choices=["present", "absent"]),
+    patterns=dict(type="list", default=[], elements="str"),
+    force=dict(type="bool", default=False),
+    protect_units=dict(type="list", default=[], elements="str"),
+    grace_seconds=dict(type="float", default=15),
+    timeout_seconds=dict(type="float", default=60),
+    memory_threshold_mib=dict(type="int", default=2048),
+    wait=dict(type="bool", default=True),
+    require_gpus=dict(type="bool", default=False),
+)
 MIB = 1 << 20
 # What an open NVIDIA device file's path starts with (/dev/nvidia0, /dev/nvidiactl, /dev/nvidia-uvm).
 DEVICE_PREFIX = "/dev/nvidia"
@@ -292,6 +303,10 @@ class Gpu:
     processes: list[GpuProc] = field(default_factory=list)
 
 
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class PynvmlBackend:
     """The only code that talks to NVML: `gpus()` returns plain data (tests use a fake instead)."""
 
@@ -301,9 +316,6 @@ class PynvmlBackend:
             self.nvml.nvmlInit()
         except self.nvml.NVMLError as e:
             raise NvmlUnavailable(f"NVML could not start: {e}") from e
-
-    def _text(self, value) -> str:
-        return value.decode() if isinstance(value, bytes) else str(value)
 
     def gpus(self) -> list[Gpu]:
         n = self.nvml
@@ -319,17 +331,8 @@ class PynvmlBackend:
             for p in n.nvmlDeviceGetComputeRunningProcesses(handle):
                 used = getattr(p, "usedGpuMemory", None)
                 procs.append(GpuProc(int(p.pid), int(used) if isinstance(used, int) else None))
-            out.append(
-                Gpu(
-                    index=index,
-                    name=self._text(n.nvmlDeviceGetName(handle)),
-                    uuid=self._text(n.nvmlDeviceGetUUID(handle)),
-                    used_bytes=int(mem.used),
-                    total_bytes=int(mem.total),
-                    utilization=util,
-                    processes=procs,
-                )
-            )
+            out.append(Gpu(index, _text(n.nvmlDeviceGetName(handle)), _text(n.nvmlDeviceGetUUID(handle)),
+                           int(mem.used), int(mem.total), util, procs))
         return out
 
     def close(self) -> None:
@@ -344,85 +347,20 @@ def driver_present() -> bool:
     return os.path.exists("/proc/driver/nvidia/version") or bool(ctypes.util.find_library("nvidia-ml"))
 
 
-# ---------------------------------------------------------------- /proc
-@dataclass
-class ProcInfo:
-    """What /proc says about a pid NVML reported."""
-
-    visible: bool
-    start_time: str | None = None
-    user: str | None = None
-    cmdline: str | None = None
-    unit: str | None = None
-    holds_device: bool | None = None
+def devices(gpus: list[Gpu]) -> list[dict]:
+    """The RV(devices) of a reading."""
+    return [
+        {"index": g.index, "name": g.name, "uuid": g.uuid, "memory_used_mib": g.used_bytes // MIB,
+         "memory_total_mib": g.total_bytes // MIB, "utilization_percent": g.utilization,
+         "pids": sorted({p.pid for p in g.processes})}
+        for g in gpus
+    ]
 
 
-class ProcTable:
-    """Reads processes from /proc; `device_prefix` is what an open GPU device's path starts with."""
-
-    def __init__(self, root: str = "/proc", device_prefix: str | None = None):
-        self.root = root
-        self.device_prefix = device_prefix or DEVICE_PREFIX
-
-    def _read(self, pid: int, name: str) -> str:
-        with open(f"{self.root}/{pid}/{name}", encoding="utf-8", errors="replace") as f:
-            return f.read()
-
-    def _stat(self, pid: int) -> tuple[str, str] | None:
-        """(state, start time) of a live pid, None if gone."""
-        try:
-            stat = self._read(pid, "stat")
-        except (FileNotFoundError, ProcessLookupError):
-            return None
-        fields = stat[stat.rindex(")") + 2 :].split()  # comm may contain spaces and parentheses
-        return fields[0], fields[19]
-
-    def alive(self, pid: int, start_time: str | None) -> bool:
-        """The same process (pid and start time) still exists and is not a zombie."""
-        st = self._stat(pid)
-        return st is not None and st[0] not in ("Z", "X") and (start_time is None or st[1] == start_time)
-
-    def info(self, pid: int) -> ProcInfo:
-        st = self._stat(pid) if pid > 0 else None
-        if st is None or st[0] in ("Z", "X"):
-            return ProcInfo(visible=False)
-        try:
-            uid = os.stat(f"{self.root}/{pid}").st_uid
-            try:
-                user = pwd.getpwuid(uid).pw_name
-            except KeyError:
-                user = str(uid)
-            argv = self._read(pid, "cmdline").split("\0")
-            cmdline = " ".join(a for a in argv if a) or f"[{self._read(pid, 'comm').strip()}]"
-            unit = self._unit(self._read(pid, "cgroup"))
-        except (FileNotFoundError, ProcessLookupError):
-            return ProcInfo(visible=False)
-        return ProcInfo(True, st[1], user, cmdline, unit, self._holds_device(pid))
-
-    @staticmethod
-    def _unit(cgroup: str) -> str | None:
-        """The systemd unit of a process: the last *.service/*.scope element of its cgroup path."""
-        for line in cgroup.splitlines():
-            for part in reversed(line.split(":", 2)[-1].split("/")):
-                if part.endswith((".service", ".scope")):
-                    return part
-        return None
-
-    def _holds_device(self, pid: int) -> bool | None:
-        fd_dir = f"{self.root}/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except PermissionError:
-            return None
-        except (FileNotFoundError, ProcessLookupError):
-            return False
-        for fd in fds:
-            try:
-                if os.readlink(f"{fd_dir}/{fd}").startswith(self.device_prefix):
-                    return True
-            except OSError:
-                continue
-        return False
+def gpu_result(gpus: list[Gpu], nvml: str = "ok", msg: str = "") -> dict:
+    """The module's result for a reading before anything is done (every key the module returns)."""
+    return {"changed": False, "gpus": len(gpus), "nvml": nvml, "devices": devices(gpus),
+            "devices_after": devices(gpus), "processes": [], "ended": [], "msg": msg}
 
 
 # ---------------------------------------------------------------- the logic
@@ -439,36 +377,20 @@ class Target:
     signal: str | None = None
 
     def as_dict(self) -> dict:
-        return {
-            "pid": self.pid,
-            "visible": self.info.visible,
-            "user": self.info.user,
-            "cmdline": self.info.cmdline,
-            "unit": self.info.unit,
-            "gpus": self.gpus,
-            "used_memory_mib": None if self.used_bytes is None else self.used_bytes // MIB,
-            "holds_device": self.info.holds_device,
-            "action": self.action,
-            "reason": self.reason,
-            "signal": self.signal,
-        }
+        info = self.info
+        return {"pid": self.pid, "visible": info.visible, "user": info.user, "cmdline": info.cmdline,
+                "unit": info.unit, "gpus": self.gpus,
+                "used_memory_mib": None if self.used_bytes is None else self.used_bytes // MIB,
+                "holds_device": info.holds_device, "action": self.action, "reason": self.reason,
+                "signal": self.signal}
 
 
 class GpuReclaimer:
     """Finds GPU processes, decides which may be ended, ends them (TERM, then KILL) and waits for memory."""
 
-    def __init__(
-        self,
-        backend,
-        patterns: list[str] = (),
-        force: bool = False,
-        protect_units: list[str] = (),
-        grace_seconds: float = 15,
-        timeout_seconds: float = 60,
-        memory_threshold_mib: int = 2048,
-        procs: ProcTable | None = None,
-        poll_seconds: float = 0.2,
-    ):
+    def __init__(self, backend, patterns: list[str] = (), force: bool = False, protect_units: list[str] = (),
+                 grace_seconds: float = 15, timeout_seconds: float = 60, memory_threshold_mib: int = 2048,
+                 procs: ProcTable | None = None, poll_seconds: float = 0.2):
         self.backend = backend
         self.patterns = [(p, re.compile(p)) for p in patterns]
         self.force = force
@@ -476,23 +398,8 @@ class GpuReclaimer:
         self.grace = grace_seconds
         self.timeout = timeout_seconds
         self.threshold = memory_threshold_mib * MIB
-        self.procs = procs or ProcTable()
+        self.procs = procs or ProcTable(device_prefix=DEVICE_PREFIX)
         self.poll = poll_seconds
-
-    @staticmethod
-    def devices(gpus: list[Gpu]) -> list[dict]:
-        return [
-            {
-                "index": g.index,
-                "name": g.name,
-                "uuid": g.uuid,
-                "memory_used_mib": g.used_bytes // MIB,
-                "memory_total_mib": g.total_bytes // MIB,
-                "utilization_percent": g.utilization,
-                "pids": sorted({p.pid for p in g.processes}),
-            }
-            for g in gpus
-        ]
 
     def targets(self, gpus: list[Gpu]) -> list[Target]:
         """One Target per pid (a process on several GPUs appears once), undecided."""
@@ -512,9 +419,7 @@ class GpuReclaimer:
         t.action = "keep"
         info = t.info
         if not info.visible:
-            t.reason = (
-                "pid not visible here (another PID namespace or container, or already gone): not touched"
-            )
+            t.reason = "pid not visible here (another PID namespace or container, or already gone): not touched"
         elif info.unit in self.protect_units:
             t.reason = f"runs in protected unit {info.unit}"
         elif info.holds_device is None:
@@ -539,33 +444,32 @@ class GpuReclaimer:
             return
         t.signal = sig.name
 
-    def _wait_gone(self, targets: list[Target], deadline: float) -> list[Target]:
-        """Poll until every target has exited or the deadline passes; the ones still alive."""
+    def _poll(self, read, done, deadline: float):
+        """Call read() until done(value) or the deadline passes; the last value."""
         while True:
-            alive = [t for t in targets if self.procs.alive(t.pid, t.info.start_time)]
-            if not alive or time.monotonic() >= deadline:
-                return alive
+            value = read()
+            if done(value) or time.monotonic() >= deadline:
+                return value
             time.sleep(self.poll)
+
+    def _alive(self, targets: list[Target]) -> list[Target]:
+        return [t for t in targets if self.procs.alive(t.pid, t.info.start_time)]
 
     def end(self, targets: list[Target]) -> list[Target]:
         """SIGTERM, SIGKILL after the grace period; returns those still alive after the timeout."""
         for t in targets:
             self._signal(t, signal.SIGTERM)
-        survivors = self._wait_gone(targets, time.monotonic() + self.grace)
+        survivors = self._poll(lambda: self._alive(targets), lambda alive: not alive, time.monotonic() + self.grace)
         for t in survivors:
             self._signal(t, signal.SIGKILL)
-        return self._wait_gone(survivors, time.monotonic() + self.timeout)
+        return self._poll(lambda: self._alive(survivors), lambda alive: not alive, time.monotonic() + self.timeout)
 
     def _over(self, gpus: list[Gpu]) -> list[Gpu]:
         return [g for g in gpus if g.used_bytes >= self.threshold]
 
     def wait_for_memory(self, deadline: float) -> list[Gpu]:
         """Poll NVML until every GPU is below the threshold or the deadline passes; the last reading."""
-        while True:
-            gpus = self.backend.gpus()
-            if not self._over(gpus) or time.monotonic() >= deadline:
-                return gpus
-            time.sleep(self.poll)
+        return self._poll(self.backend.gpus, lambda gpus: not self._over(gpus), deadline)
 
     def run(self, state: str = "present", check_mode: bool = False, wait: bool = True) -> dict:
         """List (state=present) or free the GPUs (state=absent). Raises ReclaimError when they stay busy."""
@@ -576,15 +480,7 @@ class GpuReclaimer:
             for t in targets:
                 self.decide(t)
         chosen = [t for t in targets if t.action == "end"]
-        result = {
-            "changed": bool(chosen),
-            "gpus": len(before),
-            "nvml": "ok",
-            "devices": self.devices(before),
-            "devices_after": self.devices(before),
-            "processes": [],
-            "ended": [t.pid for t in chosen],
-        }
+        result = dict(gpu_result(before), changed=bool(chosen), ended=[t.pid for t in chosen])
         if state == "present" or check_mode:
             for t in chosen:
                 t.action = "would end"
@@ -598,18 +494,14 @@ class GpuReclaimer:
         stuck = self.end(chosen)
         for t in chosen:
             t.action = "ended" if t not in stuck else "end"
-        after = before
-        over: list[Gpu] = []
+        after, over = before, []
         if wait:
-            after = self.wait_for_memory(
-                max(time.monotonic(), started + self.grace + self.timeout) if chosen else 0
-            )
+            after = self.wait_for_memory(max(time.monotonic(), started + self.grace + self.timeout) if chosen else 0)
             over = self._over(after)
         elif chosen:
             after = self.backend.gpus()
-        result["devices_after"] = self.devices(after)
-        result["processes"] = [t.as_dict() for t in targets]
-        result["ended"] = [t.pid for t in chosen if t not in stuck]
+        result.update(devices_after=devices(after), processes=[t.as_dict() for t in targets],
+                      ended=[t.pid for t in chosen if t not in stuck])
         by_signal = {s: sum(t.signal == s for t in chosen) for s in ("SIGTERM", "SIGKILL")}
         summary = (
             f"ended {len(chosen) - len(stuck)} process(es) ({by_signal['SIGTERM']} with SIGTERM only, "
@@ -627,98 +519,77 @@ class GpuReclaimer:
         """Name what still holds the GPUs, so the operator knows what to look at."""
         parts = []
         if stuck:
-            parts.append(
-                "still alive after SIGKILL and the timeout: "
-                + ", ".join(f"pid {t.pid} ({t.info.cmdline})" for t in stuck)
-            )
+            parts.append("still alive after SIGKILL and the timeout: "
+                         + ", ".join(f"pid {t.pid} ({t.info.cmdline})" for t in stuck))
         if over:
             pids = {p.pid for g in over for p in g.processes}
-            holders = [t for t in targets if t.pid in pids and t not in stuck]
-            gpu_text = ", ".join(f"GPU {g.index} {g.used_bytes // MIB} MiB" for g in over)
             held = "; ".join(
                 f"pid {t.pid} {t.info.cmdline or '(not visible)'} "
                 f"[{t.used_bytes // MIB if t.used_bytes is not None else '?'} MiB, {t.reason or 'exited?'}]"
-                for t in holders
+                for t in targets if t.pid in pids and t not in stuck
             )
+            waited = " after the timeout" if stuck or any(t.action == "ended" for t in targets) else ""
             parts.append(
-                f"GPU memory at or above {self.threshold // MIB} MiB{' after the timeout' if stuck or any(t.action == 'ended' for t in targets) else ''}: {gpu_text}"
+                f"GPU memory at or above {self.threshold // MIB} MiB{waited}: "
+                + ", ".join(f"GPU {g.index} {g.used_bytes // MIB} MiB" for g in over)
                 + (f"; held by {held}" if held else "; no compute process listed (driver still releasing?)")
             )
         return "; ".join(parts)
 
 
 # ---------------------------------------------------------------- the module
-def no_gpu_result(reason: str) -> dict:
-    return {
-        "changed": False,
-        "gpus": 0,
-        "nvml": reason,
-        "devices": [],
-        "devices_after": [],
-        "processes": [],
-        "ended": [],
-        "msg": f"no GPU: {reason}",
-    }
+class GpuProcessesModule:
+    """The module: checks the arguments, lists the GPUs through NVML (or reports that there are none)
+    and runs GpuReclaimer with the task's arguments; in check mode it signals nothing."""
+
+    def __init__(self, module):
+        self.module = module
+        self.params = module.params
+
+    def check_arguments(self) -> None:
+        p = self.params
+        if p["state"] == "absent" and not p["patterns"] and not p["force"]:
+            self.module.fail_json(msg="state=absent needs patterns (an allowlist) or force=true")
+        for pattern in p["patterns"]:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                self.module.fail_json(msg=f"patterns: {pattern!r} is not a valid regular expression: {e}")
+        for name in ("grace_seconds", "timeout_seconds", "memory_threshold_mib"):
+            if p[name] < 0:
+                self.module.fail_json(msg=f"{name} must be >= 0, not {p[name]}")
+
+    def run(self) -> dict:
+        p = self.params
+        self.check_arguments()
+        if pynvml is None:
+            if p["require_gpus"] or driver_present():
+                self.module.fail_json(msg=missing_required_lib("nvidia-ml-py"), exception=PYNVML_IMPORT_ERROR)
+            reason = "no NVIDIA driver installed (and nvidia-ml-py is not installed)"
+            return gpu_result([], reason, f"no GPU: {reason}")
+        try:
+            backend = PynvmlBackend()
+        except NvmlUnavailable as e:
+            if p["require_gpus"]:
+                self.module.fail_json(**gpu_result([], str(e), f"require_gpus: {e}"))
+            return gpu_result([], str(e), f"no GPU: {e}")
+        options = ("patterns", "force", "protect_units", "grace_seconds", "timeout_seconds", "memory_threshold_mib")
+        try:
+            result = GpuReclaimer(backend, **{k: p[k] for k in options}).run(p["state"], self.module.check_mode, p["wait"])
+        except ReclaimError as e:
+            self.module.fail_json(**e.result)
+        except PermissionError as e:
+            self.module.fail_json(msg=f"not permitted to signal a GPU process ({e}); run with become=true")
+        finally:
+            backend.close()
+        if p["require_gpus"] and result["gpus"] == 0:
+            self.module.fail_json(**dict(result, msg="require_gpus: NVML works but lists no GPU"))
+        return result
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
-            "state": {"type": "str", "choices": ["present", "absent"], "default": "present"},
-            "patterns": {"type": "list", "elements": "str", "default": []},
-            "force": {"type": "bool", "default": False},
-            "protect_units": {"type": "list", "elements": "str", "default": []},
-            "grace_seconds": {"type": "float", "default": 15},
-            "timeout_seconds": {"type": "float", "default": 60},
-            "memory_threshold_mib": {"type": "int", "default": 2048},
-            "wait": {"type": "bool", "default": True},
-            "require_gpus": {"type": "bool", "default": False},
-        },
-        supports_check_mode=True,
-    )
-    p = module.params
-    if p["state"] == "absent" and not p["patterns"] and not p["force"]:
-        module.fail_json(msg="state=absent needs patterns (an allowlist) or force=true")
-    for pattern in p["patterns"]:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            module.fail_json(msg=f"patterns: {pattern!r} is not a valid regular expression: {e}")
-    for name in ("grace_seconds", "timeout_seconds", "memory_threshold_mib"):
-        if p[name] < 0:
-            module.fail_json(msg=f"{name} must be >= 0, not {p[name]}")
-
-    if pynvml is None:
-        if p["require_gpus"] or driver_present():
-            module.fail_json(msg=missing_required_lib("nvidia-ml-py"), exception=PYNVML_IMPORT_ERROR)
-        module.exit_json(**no_gpu_result("no NVIDIA driver installed (and nvidia-ml-py is not installed)"))
-    try:
-        backend = PynvmlBackend()
-    except NvmlUnavailable as e:
-        if p["require_gpus"]:
-            module.fail_json(**dict(no_gpu_result(str(e)), msg=f"require_gpus: {e}"))
-        module.exit_json(**no_gpu_result(str(e)))
-    try:
-        reclaimer = GpuReclaimer(
-            backend,
-            patterns=p["patterns"],
-            force=p["force"],
-            protect_units=p["protect_units"],
-            grace_seconds=p["grace_seconds"],
-            timeout_seconds=p["timeout_seconds"],
-            memory_threshold_mib=p["memory_threshold_mib"],
-        )
-        try:
-            result = reclaimer.run(p["state"], module.check_mode, p["wait"])
-        except ReclaimError as e:
-            module.fail_json(**e.result)
-        except PermissionError as e:
-            module.fail_json(msg=f"not permitted to signal a GPU process ({e}); run with become=true")
-    finally:
-        backend.close()
-    if p["require_gpus"] and result["gpus"] == 0:
-        module.fail_json(**dict(result, msg="require_gpus: NVML works but lists no GPU"))
-    module.exit_json(**result)
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    module.exit_json(**GpuProcessesModule(module).run())
 
 
 if __name__ == "__main__":

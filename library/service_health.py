@@ -124,6 +124,15 @@ from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
 
+ARGUMENT_SPEC = dict(
+    url=dict(type="str", required=True),
+    status_code=dict(type="int", default=200),
+    unit=dict(type="str"),
+    timeout=dict(type="int", default=1800),
+    delay=dict(type="float", default=5),
+    request_timeout=dict(type="float", default=10),
+    max_restarts=dict(type="int", default=1),
+)
 UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState", "Result", "NRestarts", "ExecMainStatus", "MainPID")
 
 
@@ -202,43 +211,43 @@ class HealthWait:
             self.sleep(max(0.0, min(self.delay, self.timeout - waited)))
 
 
+class ServiceHealthModule:
+    """The module: checks the arguments, waits (HealthWait, reading the unit with systemctl) and fails
+    with the reason when the server did not become healthy. Changes nothing, also outside check mode."""
+
+    def __init__(self, module: AnsibleModule):
+        self.module = module
+        self.params = module.params
+        self.systemctl_show: list[str] = []
+
+    def read_unit(self) -> dict[str, str]:
+        rc, out, err = self.module.run_command(self.systemctl_show)
+        if rc != 0:
+            self.module.fail_json(msg=f"systemctl show {self.params['unit']} failed (rc {rc}): {err.strip()}")
+        return parse_show(out)
+
+    def run(self) -> dict[str, Any]:
+        p = self.params
+        if p["timeout"] < 0 or p["delay"] <= 0 or p["request_timeout"] <= 0 or p["max_restarts"] < 0:
+            self.module.fail_json(msg=f"timeout must be >= 0, delay and request_timeout > 0, max_restarts >= 0; got "
+                                      f"timeout={p['timeout']}, delay={p['delay']}, request_timeout={p['request_timeout']}, "
+                                      f"max_restarts={p['max_restarts']}")
+        if p["unit"]:
+            systemctl = self.module.get_bin_path("systemctl", required=True)
+            self.systemctl_show = [systemctl, "show", p["unit"], *[f"--property={name}" for name in UNIT_PROPERTIES]]
+        wait = HealthWait(lambda: probe_url(p["url"], p["request_timeout"]), self.read_unit if p["unit"] else None,
+                          status_code=p["status_code"], timeout=p["timeout"], delay=p["delay"],
+                          max_restarts=p["max_restarts"])
+        result = dict(wait.run(), changed=False)
+        if not result["healthy"]:
+            unit = f"{p['unit']}: " if p["unit"] else ""
+            self.module.fail_json(msg=f"{p['url']} is not healthy: {unit}{result['message']}", **result)
+        return result
+
+
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec=dict(
-            url=dict(type="str", required=True),
-            status_code=dict(type="int", default=200),
-            unit=dict(type="str"),
-            timeout=dict(type="int", default=1800),
-            delay=dict(type="float", default=5),
-            request_timeout=dict(type="float", default=10),
-            max_restarts=dict(type="int", default=1),
-        ),
-        supports_check_mode=True,
-    )
-    p = module.params
-    if p["timeout"] < 0 or p["delay"] <= 0 or p["request_timeout"] <= 0 or p["max_restarts"] < 0:
-        module.fail_json(msg=f"timeout must be >= 0, delay and request_timeout > 0, max_restarts >= 0; got "
-                             f"timeout={p['timeout']}, delay={p['delay']}, request_timeout={p['request_timeout']}, "
-                             f"max_restarts={p['max_restarts']}")
-    read_unit = None
-    if p["unit"]:
-        systemctl = module.get_bin_path("systemctl", required=True)
-        argv = [systemctl, "show", p["unit"], *[f"--property={name}" for name in UNIT_PROPERTIES]]
-
-        def read_unit() -> dict[str, str]:
-            rc, out, err = module.run_command(argv)
-            if rc != 0:
-                module.fail_json(msg=f"systemctl show {p['unit']} failed (rc {rc}): {err.strip()}")
-            return parse_show(out)
-
-    wait = HealthWait(lambda: probe_url(p["url"], p["request_timeout"]), read_unit, status_code=p["status_code"],
-                      timeout=p["timeout"], delay=p["delay"], max_restarts=p["max_restarts"])
-    result = wait.run()
-    message = result["message"]
-    if not result["healthy"]:
-        unit = f"{p['unit']}: " if p["unit"] else ""
-        module.fail_json(msg=f"{p['url']} is not healthy: {unit}{message}", changed=False, **result)
-    module.exit_json(changed=False, **result)
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    module.exit_json(**ServiceHealthModule(module).run())
 
 
 if __name__ == "__main__":

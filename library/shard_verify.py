@@ -168,20 +168,30 @@ seconds:
     sample: 41.2
 """
 
-import os  # noqa: E402 - Ansible modules import after their docs
-import time  # noqa: E402 - Ansible modules import after their docs
+import os
+import time
 
-from ansible.module_utils.basic import AnsibleModule, missing_required_lib  # noqa: E402 - Ansible modules import after their docs
-from ansible.module_utils.hsx_shard_format import LEVELS, ManifestError, default_workers, verify_output  # noqa: E402 - Ansible modules import after their docs
+from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+from ansible.module_utils.hsx.verify import LEVELS, ManifestError, default_workers, verify_output  # noqa: E402 - Ansible modules import after their docs
 
 try:
     from extraction.shards.verify import deep_check
 except ImportError:
     deep_check = None
 
+ARGUMENT_SPEC = dict(
+    path=dict(type="path", required=True),
+    level=dict(type="str", default="full", choices=list(LEVELS)),
+    quarantine=dict(type="bool", default=False),
+    workers=dict(type="int", default=0),
+    orphan_min_age=dict(type="float", default=600),
+    max_listed=dict(type="int", default=50),
+)
 
-class ShardVerifier:
-    """The module's logic, separate from AnsibleModule plumbing so unit tests can drive it."""
+
+class ShardVerifyModule:
+    """The module: verifies (and with quarantine, repairs) the run with the task's arguments;
+    the verification itself is module_utils' verify_output, shared with `hsx verify`."""
 
     def __init__(self, module):
         self.module = module
@@ -189,6 +199,8 @@ class ShardVerifier:
 
     def run(self):
         p = self.params
+        if p["workers"] < 0 or p["max_listed"] < 0:
+            self.module.fail_json(msg="workers and max_listed must not be negative")
         if p["level"] == "deep" and deep_check is None:
             self.module.fail_json(
                 msg=missing_required_lib("hsx-extraction with torch", reason="for level=deep")
@@ -266,20 +278,8 @@ class ShardVerifier:
 
 
 def main():
-    module = AnsibleModule(
-        argument_spec=dict(
-            path=dict(type="path", required=True),
-            level=dict(type="str", choices=list(LEVELS), default="full"),
-            quarantine=dict(type="bool", default=False),
-            workers=dict(type="int", default=0),
-            orphan_min_age=dict(type="float", default=600),
-            max_listed=dict(type="int", default=50),
-        ),
-        supports_check_mode=True,
-    )
-    if module.params["workers"] < 0 or module.params["max_listed"] < 0:
-        module.fail_json(msg="workers and max_listed must not be negative")
-    module.exit_json(**ShardVerifier(module).run())
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    module.exit_json(**ShardVerifyModule(module).run())
 
 
 if __name__ == "__main__":

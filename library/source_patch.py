@@ -19,7 +19,7 @@ description:
       O(force=true) and the anchor matches several lines (the first is used). A missing anchor always fails.
     - For Python files the patched text must parse (C(ast.parse)) before anything is written.
     - Writes are atomic (temp file, fsync, rename) and keep the file's mode.
-    - Uses the same code as C(hsx patch) (module_utils C(hsx_source_patch)), so both read the same markers.
+    - Uses the same code as C(hsx patch) (module_utils C(hsx.patching)), so both read the same markers.
 version_added: "0.1.0"
 author:
     - hsx maintainers
@@ -96,7 +96,7 @@ options:
         description:
             - The installed SGLang version (for O(patch=sglang_dump_hook), or an ad hoc revision of it given by
               O(patch_id)); the module fails before any change when it is not a supported release
-              (module_utils C(hsx_sglang_versions)).
+              (module_utils C(hsx.sglang_versions)).
         type: str
 attributes:
     check_mode:
@@ -184,10 +184,8 @@ original_verified:
     sample: true
 """
 
-from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-from ansible.module_utils.hsx_sglang_patch import NAMED_PATCHES  # noqa: E402
-from ansible.module_utils.hsx_sglang_versions import support_problem  # noqa: E402
-from ansible.module_utils.hsx_source_patch import (  # noqa: E402
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.hsx.patching import (  # noqa: E402
     Patch,
     PatchError,
     check_python,
@@ -196,10 +194,34 @@ from ansible.module_utils.hsx_source_patch import (  # noqa: E402
     sha12,
     write_atomic,
 )
+from ansible.module_utils.hsx.sglang_patch import NAMED_PATCHES  # noqa: E402
+from ansible.module_utils.hsx.sglang_versions import support_problem  # noqa: E402
+
+ARGUMENT_SPEC = dict(
+    path=dict(type="path", required=True),
+    patch=dict(type="str", choices=sorted(NAMED_PATCHES)),
+    patch_id=dict(type="str"),
+    version=dict(type="str", default="1"),
+    blocks=dict(
+        type="list",
+        elements="dict",
+        options=dict(
+            name=dict(type="str", required=True),
+            anchor=dict(type="str", required=True),
+            where=dict(type="str", default="after", choices=["after", "before"]),
+            code=dict(type="list", required=True, elements="str"),
+        ),
+    ),
+    state=dict(type="str", default="present", choices=["present", "absent"]),
+    force=dict(type="bool", default=False),
+    backup=dict(type="bool", default=False),
+    validate=dict(type="str", default="auto", choices=["auto", "python", "none"]),
+    sglang_version=dict(type="str"),
+)
 
 
-class SourcePatch:
-    """The module's logic, driven by unit tests through patch_module_args."""
+class SourcePatchModule:
+    """The module: plans the patch (module_utils' plan, shared with `hsx patch`), checks it and writes it."""
 
     def __init__(self, module: AnsibleModule):
         self.module = module
@@ -266,33 +288,13 @@ class SourcePatch:
 
 def main() -> None:
     module = AnsibleModule(
-        argument_spec=dict(
-            path=dict(type="path", required=True),
-            patch=dict(type="str", choices=sorted(NAMED_PATCHES)),
-            patch_id=dict(type="str"),
-            version=dict(type="str", default="1"),
-            blocks=dict(
-                type="list",
-                elements="dict",
-                options=dict(
-                    name=dict(type="str", required=True),
-                    anchor=dict(type="str", required=True),
-                    where=dict(type="str", choices=["after", "before"], default="after"),
-                    code=dict(type="list", elements="str", required=True),
-                ),
-            ),
-            state=dict(type="str", choices=["present", "absent"], default="present"),
-            force=dict(type="bool", default=False),
-            backup=dict(type="bool", default=False),
-            validate=dict(type="str", choices=["auto", "python", "none"], default="auto"),
-            sglang_version=dict(type="str"),
-        ),
+        argument_spec=ARGUMENT_SPEC,
         mutually_exclusive=[("patch", "patch_id")],
         required_one_of=[("patch", "patch_id")],
         required_by={"blocks": "patch_id"},
         supports_check_mode=True,
     )
-    module.exit_json(**SourcePatch(module).run())
+    module.exit_json(**SourcePatchModule(module).run())
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ tests read (deepseek_v2.py, the version files, aux_hidden_states.py) under
 $HSX_SGLANG_WHEELS (default ~/.cache/hsx/sglang-wheels)/<version>/, so CI re-runs reuse them.
 
     python tests/sglang_wheels.py            # prefetch every supported release (+ the refused one)
-    python tests/sglang_wheels.py --check    # list registry releases missing from versions.py
+    python tests/sglang_wheels.py --check    # list registry releases missing from hsx/sglang_versions.py
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def registry_versions() -> list[str] | None:
 
 
 def missing_releases() -> list[str] | None:
-    """Registry releases >= the floor that versions.py does not list yet."""
-    from extraction.sglang.versions import MIN_VERSION, SUPPORTED_VERSIONS, release_key
+    """Registry releases >= the floor that hsx/sglang_versions.py does not list yet."""
+    from hsx.sglang_versions import MIN_VERSION, SUPPORTED_VERSIONS, release_key
 
     listed = registry_versions()
     if listed is None:
@@ -126,11 +126,11 @@ def missing_releases() -> list[str] | None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from extraction.sglang.versions import SUPPORTED_VERSIONS, UNSUPPORTED_EXAMPLE
+    from hsx.sglang_versions import SUPPORTED_VERSIONS, UNSUPPORTED_EXAMPLE
 
     if "--check" in sys.argv:
         missing = missing_releases()
-        print("registry unreachable" if missing is None else f"not in versions.py: {missing or 'none'}")
+        print("registry unreachable" if missing is None else f"not in hsx/sglang_versions.py: {missing or 'none'}")
         sys.exit(1 if missing else 0)
     bad = 0
     for v in (*SUPPORTED_VERSIONS, UNSUPPORTED_EXAMPLE):

@@ -5,7 +5,26 @@ slower): each sample is one POST /generate with its input_ids, a unique rid and 
 the server's dump hook writes the request's states to files in the dump directory (same node),
 which we join (chunked prefill), check (the dumped input_ids must be the ones we sent, the layer
 ids the ones the run records) and delete. Requests run `concurrency` at a time so the server can
-batch them. Connection failures wait for /health (the server may be restarting) and retry.
+batch them.
+
+The reply does not wait for the dump (docs/sglang_hook.md says why): when it leaves, the hook's
+writer thread has taken every piece of the request, not necessarily written them. So the client
+then waits for the pieces to be renamed into place, `dumps.wait_request`: woken by inotify (one
+instance per waiting request, closed when its wait ends; a coarse poll where inotify is not to be
+had), for up to `dump_timeout` seconds (default 120: the hook may hold HSX_DUMP_BUDGET_MB, 4096
+MiB by default, ahead of a request's dump, ~14 s on a ~300 MiB/s disk, plus the queueing).
+
+When an attempt fails:
+- a `.failed` marker (the hook could not write a piece): asked again at once with a new rid, up to
+  `write_retries` times;
+- a connection failure (the server restarting): wait for /health, ask again with a new rid, up to
+  `connect_retries` times;
+- an HTTP error, a 200 that is not JSON, no complete dump within `dump_timeout`: the sample fails
+  (SGLangError; the runner's --retries apply).
+An attempt given up leaves no dump: its files are removed at once, and again (for pieces the hook
+had not written yet) once a request sent after it has its dump in, as the hook's one writer writes
+in order, and at close(). With several writers (DP attention: one per attention-TP group) a late
+piece can land after that sweep; close() still removes what has landed by then.
 """
 
 from __future__ import annotations
@@ -25,6 +44,7 @@ from typing import Any
 import torch
 
 from extraction.backends.base import ModelInfo, Sample, SampleStates
+from extraction.config import DEFAULT_DUMP_TIMEOUT
 from extraction.sglang import dumps, hook
 
 ENV_DUMP_DIR = hook.ENV_DIR  # the client reads the same variable the server's hook does
@@ -32,6 +52,10 @@ ENV_DUMP_DIR = hook.ENV_DIR  # the client reads the same variable the server's h
 
 class SGLangError(RuntimeError):
     """The server or its dump did not give usable states; the message says which sample and why."""
+
+
+class _NoAnswer(Exception):
+    """/generate got no answer (connection refused or reset, timed out): the server may be restarting."""
 
 
 def _rid_part(sample_id: str) -> str:
@@ -51,8 +75,9 @@ class SGLangBackend:
         concurrency: int = 8,
         request_timeout: float = 600.0,
         health_timeout: float = 600.0,
-        dump_timeout: float = 30.0,
+        dump_timeout: float = DEFAULT_DUMP_TIMEOUT,
         connect_retries: int = 3,
+        write_retries: int = 2,
         keep_dumps: bool = False,
     ):
         self.url = server_url.rstrip("/")
@@ -65,9 +90,14 @@ class SGLangBackend:
         self.health_timeout = health_timeout
         self.dump_timeout = dump_timeout
         self.connect_retries = connect_retries
-        self.keep_dumps = keep_dumps
+        self.write_retries = write_retries
+        self.keep_dumps = keep_dumps  # leave every dump file in place (debugging)
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="hsx-sglang")
         self._health_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._sent = 0  # requests sent so far
+        # rid of an attempt given up -> requests sent by then (None once swept; close() sweeps all)
+        self._given_up: dict[str, int | None] = {}
         if not os.path.isdir(dump_dir):
             raise SGLangError(f"dump directory {dump_dir} does not exist (the server's {hook.ENV_DIR})")
         self.wait_healthy()
@@ -85,6 +115,7 @@ class SGLangBackend:
             layer_ids,
             dtype=cfg.dtype,
             concurrency=cfg.concurrency,
+            dump_timeout=cfg.dump_timeout,
         )
 
     # ---------------------------------------------------------------- server
@@ -115,7 +146,9 @@ class SGLangBackend:
                     )
                 time.sleep(min(1.0, max(0.05, self.health_timeout / 50)))
 
-    def _generate(self, input_ids: list[int], rid: str) -> dict:
+    def _generate(self, input_ids: list[int], rid: str, sample_id: str) -> dict:
+        """POST /generate; SGLangError for an HTTP error or a reply that is not JSON, _NoAnswer for
+        a connection failure."""
         body = json.dumps(
             {
                 "input_ids": input_ids,
@@ -126,36 +159,42 @@ class SGLangBackend:
         req = urllib.request.Request(
             self.url + "/generate", data=body, headers={"Content-Type": "application/json"}, method="POST"
         )
-        with urllib.request.urlopen(req, timeout=self.request_timeout) as resp:
-            return json.loads(resp.read() or b"{}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.request_timeout) as resp:
+                status, data = resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read()[:300].decode(errors="replace")
+            raise SGLangError(f"{sample_id}: /generate answered HTTP {exc.code}: {detail}") from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise _NoAnswer(f"{type(exc).__name__}: {exc}") from None
+        try:
+            return json.loads(data or b"{}")
+        except ValueError:
+            raise SGLangError(
+                f"{sample_id}: /generate answered {status} with a body that is not JSON: {data[:100]!r}"
+            ) from None
 
     # ---------------------------------------------------------------- one sample
 
     def _one(self, sample: Sample) -> SampleStates:
         ids = sample.input_ids.tolist()
-        for attempt in range(self.connect_retries + 1):
+        lost = failed = 0
+        while True:
             rid = f"hsx-{_rid_part(sample.sample_id)}-{uuid.uuid4().hex[:12]}"
             try:
-                self._generate(ids, rid)
+                dump = self._attempt(ids, rid, sample.sample_id)
                 break
-            except urllib.error.HTTPError as exc:
-                detail = exc.read()[:300].decode(errors="replace")
-                dumps.remove_request(self.dump_dir, rid)
-                raise SGLangError(
-                    f"{sample.sample_id}: /generate answered HTTP {exc.code}: {detail}"
-                ) from None
-            except (OSError, http.client.HTTPException) as exc:
-                dumps.remove_request(self.dump_dir, rid)
-                if attempt == self.connect_retries:
-                    raise SGLangError(
-                        f"{sample.sample_id}: /generate failed {attempt + 1} times: {exc}"
-                    ) from None
+            except _NoAnswer as exc:
+                lost += 1
+                if lost > self.connect_retries:
+                    raise SGLangError(f"{sample.sample_id}: /generate failed {lost} times: {exc}") from None
                 self.wait_healthy()
-        try:
-            dump = self._read_dump(rid, len(ids), sample.sample_id)
-        finally:
-            if not self.keep_dumps:
-                dumps.remove_request(self.dump_dir, rid)
+            except dumps.DumpWriteFailed as exc:
+                failed += 1
+                if failed > self.write_retries:
+                    raise SGLangError(
+                        f"{sample.sample_id}: the server could not write its dump, {failed} times: {exc}"
+                    ) from None
         if not torch.equal(dump.input_ids, sample.input_ids.to(torch.long)):
             raise SGLangError(f"{sample.sample_id}: the server dumped other input_ids than were sent")
         if dump.layer_ids != self.layer_ids:
@@ -171,19 +210,49 @@ class SGLangBackend:
             aux_hidden_state=dump.aux_hidden_state,
         )
 
-    def _read_dump(self, rid: str, length: int, sample_id: str) -> dumps.RequestDump:
-        """The hook writes before the response leaves the server; allow a moment for slow disks."""
-        deadline = time.monotonic() + self.dump_timeout
-        while True:
-            try:
-                return dumps.read_request(self.dump_dir, rid, expected_len=length)
-            except dumps.DumpError as exc:
-                if time.monotonic() >= deadline:
-                    raise SGLangError(
-                        f"{sample_id}: no complete dump after {self.dump_timeout:.0f}s: {exc} "
-                        "(is the server patched, its hook active, and the dump dir the same?)"
-                    ) from None
-                time.sleep(0.02)
+    def _attempt(self, ids: list[int], rid: str, sample_id: str) -> dumps.RequestDump:
+        """One request and, after its reply, its dump (read, then removed). An attempt that fails
+        in any way is given up: what it left is removed, now and later."""
+        with self._lock:
+            self._sent += 1
+            sent = self._sent
+        try:
+            self._generate(ids, rid, sample_id)
+            dump = dumps.wait_request(self.dump_dir, rid, len(ids), self.dump_timeout)
+        except BaseException as exc:
+            self._give_up(rid)
+            if isinstance(exc, dumps.DumpError) and not isinstance(exc, dumps.DumpWriteFailed):
+                raise SGLangError(
+                    f"{sample_id}: no complete dump after {self.dump_timeout:.0f}s: {exc} "
+                    "(is the server patched, its hook active, and the dump dir the same?)"
+                ) from None
+            raise
+        if not self.keep_dumps:
+            dumps.remove_request(self.dump_dir, rid)
+        self._sweep(sent)
+        return dump
+
+    def _give_up(self, rid: str) -> None:
+        """Remove what a failed attempt left now; remember it for the pieces still to come."""
+        if self.keep_dumps:
+            return
+        dumps.remove_request(self.dump_dir, rid)
+        with self._lock:
+            self._given_up[rid] = self._sent
+
+    def _sweep(self, sent: int | None = None) -> None:
+        """Remove what the attempts given up left. The request sent `sent`-th has its dump in: the
+        hook's writer writes passes in order, so every piece of an attempt given up before that
+        request was sent has been written (or has failed) by now. None (close): all of them."""
+        with self._lock:
+            if sent is None:
+                due = list(self._given_up)
+            else:
+                due = [rid for rid, mark in self._given_up.items() if mark is not None and mark < sent]
+            for rid in due:
+                self._given_up[rid] = None
+        for rid in due:
+            dumps.remove_request(self.dump_dir, rid)
 
     # ---------------------------------------------------------------- Backend
 
@@ -217,3 +286,4 @@ class SGLangBackend:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._sweep()

@@ -15,9 +15,8 @@ from extraction.export_view import (
     ExportReport,
     export_view,
 )
-from extraction.shards.format import LEVELS, ManifestError, default_workers
-
-EXIT_USAGE = 2
+from hsx.exitcodes import EXIT_USAGE
+from hsx.verify import LEVELS, ManifestError, default_workers
 
 
 def register(subparsers: Any) -> None:

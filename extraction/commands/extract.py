@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from extraction import config
+from hsx.exitcodes import EXIT_USAGE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = config.build_config(args)
     except config.ConfigError as e:
         print(f"hsx extract: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     from extraction.runner import Runner
 
     return Runner(cfg).run()

@@ -9,6 +9,7 @@ import time
 from extraction.fleet.fleetstatus import as_json, collect, fleet_total, render
 from extraction.fleet.playbook import REPORTS
 from extraction.fleet.plot import PlotError, plot_history
+from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,12 +54,12 @@ def once(args: argparse.Namespace) -> int:
             f"hsx fleet-status: no host answered (rc={runner.rc}); check the inventory and --limit:\n{tail}",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     if args.json:
         print(as_json(hosts))
     else:
         render(hosts)
-    code = 1 if fleet_total(hosts)["marked"] else 0
+    code = EXIT_FAILED if fleet_total(hosts)["marked"] else EXIT_OK
     if args.plot:
         try:
             plot_history(
@@ -69,7 +70,7 @@ def once(args: argparse.Namespace) -> int:
             )
         except PlotError as exc:
             print(f"hsx fleet-status: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
         if not args.json:
             print(f"plot: {args.plot}")
     return code
@@ -78,17 +79,17 @@ def once(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.watch is not None and args.watch <= 0:
         print("hsx fleet-status: --watch needs a positive number of seconds", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.watch is None:
         return once(args)
-    code = 0
+    code = EXIT_OK
     try:
         while True:
             if sys.stdout.isatty():
                 print("\x1b[H\x1b[J", end="")
             print(time.strftime("%Y-%m-%d %H:%M:%S"))
             code = once(args)
-            if code == 2:
+            if code == EXIT_USAGE:
                 return code
             time.sleep(args.watch)
     except KeyboardInterrupt:

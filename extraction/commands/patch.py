@@ -6,10 +6,9 @@ import argparse
 import json
 import sys
 
-from extraction import patching
 from extraction.sglang import install
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+from hsx import patching
+from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from extraction.report import build
+from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
         reports, summary = build(args.report_dir, args.title)
     except (OSError, ValueError) as exc:
         print(f"hsx report: {exc}")
-        return 2
+        return EXIT_USAGE
     if not args.quiet:
         print(summary.read_text(), end="")
-    return 0 if all(r["ok"] for r in reports) else 1
+    return EXIT_OK if all(r["ok"] for r in reports) else EXIT_FAILED

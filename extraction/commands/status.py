@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-from extraction.status import describe, pid_alive, process_gone, read_status, summarize
+from hsx.exitcodes import EXIT_OK, EXIT_USAGE
+from hsx.status import describe, pid_alive, process_gone, read_status, summarize
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    statuses, code = [], 0
+    statuses, code = [], EXIT_OK
     for out in args.outputs:
         try:
             s = read_status(out)
@@ -28,11 +29,11 @@ def run(args: argparse.Namespace) -> int:
                 f"hsx status: {out}: no status.json (not an extraction output, or not started)",
                 file=sys.stderr,
             )
-            code = 2
+            code = EXIT_USAGE
             continue
         except (OSError, ValueError) as e:
             print(f"hsx status: {out}: unreadable status.json: {e}", file=sys.stderr)
-            code = 2
+            code = EXIT_USAGE
             continue
         s.setdefault("output", os.path.abspath(out))
         s["pid_alive"] = pid_alive(s.get("pid"), s.get("host"))
@@ -69,6 +70,6 @@ def _plot(statuses: list[dict], path: str) -> int:
         plot_history(series, path, "samples done", totals)
     except PlotError as exc:
         print(f"hsx status: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print(f"plot: {path}", file=sys.stderr)
-    return 0
+    return EXIT_OK

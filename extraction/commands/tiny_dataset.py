@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from hsx.exitcodes import EXIT_OK, EXIT_USAGE
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("tiny-dataset", help="write N deterministic test conversations as JSONL")
@@ -20,10 +22,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.n < 0:
         print("hsx tiny-dataset: -n must be >= 0", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         write_tiny_dataset(args.file, args.n, seed=args.seed)
     except OSError as e:
         print(f"hsx tiny-dataset: {args.file}: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return EXIT_USAGE
+    return EXIT_OK

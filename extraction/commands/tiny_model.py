@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from extraction.tiny import LAYERS
+from hsx.exitcodes import EXIT_OK, EXIT_USAGE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +33,6 @@ def run(args: argparse.Namespace) -> int:
         out = build_tiny_model(args.dir, seed=args.seed, hidden=args.hidden, layers=args.layers)
     except OSError as e:
         print(f"hsx tiny-model: {args.dir}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print(out)
-    return 0
+    return EXIT_OK

@@ -7,9 +7,8 @@ import json
 import sys
 from typing import Any
 
-from extraction.shards.format import LEVELS, ManifestError, VerifyReport, default_workers
-
-EXIT_USAGE = 2
+from hsx.exitcodes import EXIT_USAGE
+from hsx.verify import LEVELS, ManifestError, VerifyReport, default_workers
 
 
 def register(subparsers: Any) -> None:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from extraction.wheelhouse import WheelhouseError, build
+from hsx.exitcodes import EXIT_FAILED, EXIT_OK
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,11 +24,11 @@ def run(args: argparse.Namespace) -> int:
         manifest = build(args.dest, args.source, args.constraints)
     except WheelhouseError as exc:
         print(f"hsx wheelhouse: {exc}")
-        return 1
+        return EXIT_FAILED
     if args.json:
         print(json.dumps(manifest, sort_keys=True))
     else:
         state = "rebuilt" if manifest["changed"] else "unchanged"
         print(f"{args.dest}: {state}; {manifest['package_wheel']} + {len(manifest['wheels']) - 1} dependencies, "
               f"digest {manifest['digest'][:12]}")
-    return 0
+    return EXIT_OK

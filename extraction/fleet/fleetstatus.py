@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from extraction.fleet.events import failure_message
 from extraction.fleet.playbook import REPORTS, absolute, private_data_dir, runner_env, scrub_artifacts
-from extraction.status import _fmt_eta
+from hsx.status import format_eta, parse_status
 
 DEFAULT_OUTPUT_DIR = "/data/hsx/output"
 OUTPUT_DIR_ARG = "{{ hsx_output_dir | default('" + DEFAULT_OUTPUT_DIR + "') }}"
@@ -97,13 +97,14 @@ class StatusCollector:
 
 
 def _history_from_slurp(res: dict[str, Any]) -> list[list[float]]:
+    """The history of a slurped status.json; [] for one that is not a status (hsx.status decides)."""
     import base64
 
     try:
-        status = json.loads(base64.b64decode(res.get("content", "")))
-        return [[float(t), int(d)] for t, d in status.get("history") or []]
+        status = parse_status(base64.b64decode(res.get("content", "")), "status.json (slurped)")
     except (ValueError, TypeError):
         return []
+    return [[float(t), int(d)] for t, d in status.get("history") or []]
 
 
 def _adhoc(
@@ -179,7 +180,7 @@ def fleet_total(hosts: list[HostStatus]) -> dict[str, Any]:
 
 
 def _age(v: Any) -> str:
-    return "?" if not isinstance(v, int | float) else f"{v:.0f}s" if v < 120 else _fmt_eta(v) + " ago"
+    return "?" if not isinstance(v, int | float) else f"{v:.0f}s" if v < 120 else format_eta(v) + " ago"
 
 
 def render(hosts: list[HostStatus], out: TextIO = sys.stdout) -> None:
@@ -194,7 +195,7 @@ def render(hosts: list[HostStatus], out: TextIO = sys.stdout) -> None:
         cells = (
             f"{done}/{total if total is not None else '?'}{pct}" if r else "-",
             f"{float(r.get('samples_per_s') or 0):.2f}" if r else "-",
-            _fmt_eta(r.get("eta_s")) if r else "-",
+            format_eta(r.get("eta_s")) if r else "-",
             _age(r.get("last_progress_age_s")) if r else "-",
         )
         mark = f"{h.mark}: {h.reason}" if h.mark and h.reason else h.mark
@@ -207,7 +208,7 @@ def render(hosts: list[HostStatus], out: TextIO = sys.stdout) -> None:
     pct = f" ({100 * t['done'] / t['total']:.1f}%)" if t["total"] else ""
     print(
         f"FLEET: {t['hosts']} hosts, done {t['done']}/{t['total']}{pct}, {t['samples_per_s']} samples/s, "
-        f"ETA {_fmt_eta(t['eta_s'])}; {len(t['marked'])} marked",
+        f"ETA {format_eta(t['eta_s'])}; {len(t['marked'])} marked",
         file=out,
     )
 

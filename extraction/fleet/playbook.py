@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from extraction.fleet.events import FleetProgress, make_display
+from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 REPO = Path(__file__).resolve().parents[2]
 REPORTS = REPO / "reports"
 KEEP_ARTIFACTS = 10
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXTRA_VARS_FLAGS = ("-e", "--extra-vars")
 
 

@@ -4,24 +4,40 @@ A request's prompt may reach the model in several prefill pieces (chunked prefil
 one file per piece, `<rid>.<offset>.pt`. A request is complete when its pieces cover 0..L with no
 gap or overlap and all agree on layer ids, widths and dtype. Anything else is a DumpError naming the
 file and the problem, so a bad dump never becomes a shard.
+
+The server's reply does not wait for the dump (the hook writes from a thread; docs/sglang_hook.md
+says why): `wait_request` waits for the pieces' renames with inotify (no sleep-polling; one
+instance per wait, closed when it ends; a coarse poll only where inotify is unavailable), fails at
+once on a `<rid>.<offset>.failed` marker the hook leaves for a piece it could not write, and times
+out otherwise.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import glob
 import os
 import re
+import select
+import struct
+import time
 from dataclasses import dataclass
 
 import torch
 
-from extraction.sglang.hook import FORMAT, rid_stem
+from extraction.sglang.hook import FAILED_SUFFIX, FORMAT, rid_stem
 
 _KEYS = ("input_ids", "hidden_state", "aux_hidden_state")
 
 
 class DumpError(ValueError):
     """A dump is missing, incomplete or inconsistent."""
+
+
+class DumpWriteFailed(DumpError):
+    """The server's hook could not write a piece (its `.failed` marker says why): ask again now."""
 
 
 @dataclass
@@ -40,6 +56,14 @@ def piece_paths(directory: str, rid: str) -> list[str]:
     stem = rid_stem(rid)
     names = re.compile(re.escape(stem) + r"\.\d{9}\.pt")
     found = glob.glob(os.path.join(glob.escape(directory), glob.escape(stem) + ".*.pt"))
+    return sorted(p for p in found if names.fullmatch(os.path.basename(p)))
+
+
+def failed_paths(directory: str, rid: str) -> list[str]:
+    """The hook's markers for pieces of this request it could not write."""
+    stem = rid_stem(rid)
+    names = re.compile(re.escape(stem) + r"\.\d{9}" + re.escape(FAILED_SUFFIX))
+    found = glob.glob(os.path.join(glob.escape(directory), glob.escape(stem) + ".*" + FAILED_SUFFIX))
     return sorted(p for p in found if names.fullmatch(os.path.basename(p)))
 
 
@@ -62,6 +86,13 @@ def _load(path: str, rid: str) -> dict:
 
 def read_request(directory: str, rid: str, expected_len: int | None = None) -> RequestDump:
     """Join the pieces of one request; DumpError unless they cover 0..L exactly."""
+    for marker in failed_paths(directory, rid):
+        try:
+            with open(marker, encoding="utf-8", errors="replace") as f:
+                why = f.read(300).strip()
+        except OSError as exc:
+            why = f"(marker unreadable: {exc})"
+        raise DumpWriteFailed(f"{marker}: the server could not write this piece of request {rid!r}: {why}")
     paths = piece_paths(directory, rid)
     if not paths:
         raise DumpError(f"no dump for request {rid!r} in {directory}")
@@ -114,12 +145,122 @@ def read_request(directory: str, rid: str, expected_len: int | None = None) -> R
 
 
 def remove_request(directory: str, rid: str) -> int:
-    """Delete a request's pieces (after it was read or abandoned); returns how many."""
+    """Delete a request's pieces and failure markers (after it was read or abandoned); returns how many."""
     n = 0
-    for path in piece_paths(directory, rid):
+    for path in piece_paths(directory, rid) + failed_paths(directory, rid):
         try:
             os.unlink(path)
             n += 1
         except FileNotFoundError:
             pass
     return n
+
+
+# ---------------------------------------------------------------- waiting for a dump
+
+_IN_MOVED_TO = 0x00000080
+_IN_DELETE_SELF = 0x00000400
+_IN_MOVE_SELF = 0x00000800
+_IN_Q_OVERFLOW = 0x00004000  # events were dropped: ours may be among them
+_IN_IGNORED = 0x00008000
+_IN_NONBLOCK = 0o4000
+_IN_CLOEXEC = 0o2000000
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    """The C library (loaded once), for inotify_init1 and inotify_add_watch."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
+class _DirWatch:
+    """Renames into one directory, through inotify (Linux; libc via ctypes): one instance, closed
+    by close(). `ok` is False where inotify is unavailable (not Linux, the user's instances all
+    taken, the directory not watchable): the caller then polls."""
+
+    def __init__(self, directory: str):
+        self.fd = -1
+        self.gone = False
+        fd = -1
+        try:
+            libc = _libc()
+            fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+            mask = _IN_MOVED_TO | _IN_DELETE_SELF | _IN_MOVE_SELF
+            if fd >= 0 and libc.inotify_add_watch(fd, os.fsencode(directory), mask) >= 0:
+                self.fd, fd = fd, -1
+        except Exception:  # noqa: BLE001 - no inotify here, whatever the reason: poll
+            pass
+        finally:
+            if fd >= 0:  # an instance without a watch: give it back now
+                os.close(fd)
+
+    @property
+    def ok(self) -> bool:
+        return self.fd >= 0 and not self.gone
+
+    def wait(self, prefix: str, timeout: float) -> bool:
+        """Block until a name starting with `prefix` is renamed into the directory (True), or the
+        timeout passes / the directory itself goes away (False)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            poller = select.poll()  # not select(): it refuses a descriptor above 1023
+            poller.register(self.fd, select.POLLIN)
+            if not poller.poll(left * 1000):
+                return False
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EINTR:
+                    continue
+                self.gone = True
+                return False
+            pos, hit = 0, False
+            while pos + _EVENT.size <= len(data):
+                _wd, mask, _cookie, length = _EVENT.unpack_from(data, pos)
+                name = data[pos + _EVENT.size : pos + _EVENT.size + length].split(b"\0", 1)[0]
+                pos += _EVENT.size + length
+                if mask & (_IN_DELETE_SELF | _IN_MOVE_SELF | _IN_IGNORED):
+                    self.gone = True
+                    return False
+                if mask & _IN_Q_OVERFLOW or os.fsdecode(name).startswith(prefix):
+                    hit = True
+            if hit:
+                return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def wait_request(directory: str, rid: str, expected_len: int, timeout: float) -> RequestDump:
+    """read_request once the pieces covering 0..expected_len are in place (the hook renames each
+    piece into place when it is complete). Woken by inotify on renames of this request's names;
+    DumpError at once for a `.failed` marker, or after `timeout` seconds with the last problem."""
+    prefix = rid_stem(rid) + "."
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    watch = _DirWatch(directory)  # set up BEFORE looking, so no rename falls between
+    try:
+        while True:
+            try:
+                return read_request(directory, rid, expected_len=expected_len)
+            except DumpWriteFailed:
+                raise
+            except DumpError as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DumpError(f"{exc} (waited {timeout:g}s)") from None
+            if watch.ok:
+                watch.wait(prefix, left)
+            else:  # no inotify here: poll, backing off to 0.2 s
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.2)
+    finally:
+        watch.close()

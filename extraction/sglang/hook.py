@@ -1,45 +1,51 @@
 """Hidden-state dump hook that runs INSIDE the SGLang server (deployed as `sglang/hsx_dump_hook.py`).
 
-The patched DeepseekV2Model calls `attach(model)` at the end of its __init__ and
-`hook.after_forward(forward_batch, hidden_states, aux_hidden_states)` just before forward returns,
-where `hidden_states` is the final state after `self.norm` (= HF hidden_states[-1]).
+Why it is built this way, what it assumes about SGLang (file and function names) and the evidence:
+docs/sglang_hook.md in the hsx repository. The contracts:
 
-How the per-layer states are obtained: the model itself collects `hidden_states + residual` (the
-residual-stream input of layer i = HF hidden_states[i]) for every id in `model.layers_to_capture`,
-in whichever form the release uses: a list appended in the model loop (0.5.10-0.5.13), a list
-appended inside the layer (0.5.14-0.5.16), or an AuxHiddenStatePacker whose `.finalize()` gives
-[tokens, k*H] (0.5.17+). The hook claims capture by setting `layers_to_capture` to its own list at
-attach time; when EAGLE-3 (or DFlash) later sets its own list, the hook sees the list is no longer
-its own and passes the aux states through untouched (dumping what EAGLE-3 captured). When the hook
-owns capture it returns `[]`, so the model returns exactly what an unpatched model would.
-
-Only prefill passes (EXTEND/MIXED) are dumped, split per request by `forward_batch.rids` and
-`extend_seq_lens_cpu` / `extend_prefix_lens_cpu` (tokens are contiguous per request in rids order).
-A chunked prefill gives one file per piece, named by the piece's offset; the reader joins them and
-checks for gaps. Only attention-TP rank 0 writes (other ranks hold the same tokens). Files appear
-atomically (temp name + rename); no fsync: a dump is consumed seconds later, and after a crash the
-client simply asks again.
+- `attach(model)`, at the end of DeepseekV2Model.__init__: None (inactive) unless HSX_DUMP_DIR is
+  set; otherwise it claims capture by setting `model.layers_to_capture` to a list of its own.
+- `hook.after_forward(forward_batch, hidden_states, aux_hidden_states)`, just before the forward
+  returns (`hidden_states` after `self.norm`): returns the aux states the model must return (`[]`
+  when the hook owns capture, SGLang's own when EAGLE-3/DFlash set the list) and hands each prefill
+  pass (EXTEND/MIXED, attention-TP rank 0) to one writer thread. It waits only while the dumps in
+  flight fill HSX_DUMP_BUDGET_MB (back-pressure: a dump is never dropped, never partial).
+- To the client: per request and prefill piece, `<rid>.<offset>.pt` (format hsx-sglang-dump/1),
+  visible only complete (temp name + rename), or a `<rid>.<offset>.failed` marker holding why it
+  was not written. When a request's reply leaves, its pieces have been taken, not yet written: the
+  client waits for the renames (extraction.sglang.dumps.wait_request).
+- It never raises into SGLang: anything unexpected is logged once per kind and the pass skipped.
+  The standard library only at module level, torch imported lazily.
 
 Configuration (environment of the server process):
-  HSX_DUMP_DIR     directory for dump files; unset or empty -> the hook stays inactive.
-  HSX_DUMP_LAYERS  comma-separated layer ids in the HF hidden_states index convention (= SGLang's
-                   capture index); default SGLang's EAGLE-3 default [2, N//2, N-3].
-
-This file must import nothing but the standard library at module level (torch lazily), and must
-never raise into SGLang: anything unexpected is logged once per kind and the batch is skipped.
+  HSX_DUMP_DIR        directory for dump files; unset or empty -> the hook stays inactive.
+  HSX_DUMP_LAYERS     comma-separated layer ids in the HF hidden_states index convention (= SGLang's
+                      capture index); default SGLang's EAGLE-3 default [2, N//2, N-3].
+  HSX_DUMP_BUDGET_MB  host memory the dumps in flight may hold (default 4096; on CUDA pinned, of
+                      which torch's caching host allocator may keep ~2x cached). Full -> the
+                      forward waits for the writer.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
+import ctypes
 import logging
 import os
 import re
 import threading
+import time
 from typing import Any
 
 FORMAT = "hsx-sglang-dump/1"
 ENV_DIR = "HSX_DUMP_DIR"
 ENV_LAYERS = "HSX_DUMP_LAYERS"
+ENV_BUDGET = "HSX_DUMP_BUDGET_MB"
+DEFAULT_BUDGET_MB = 4096
+EXIT_DRAIN_SECONDS = 60.0
+STALL_LOG_SECONDS = 60.0  # a back-pressure wait this long is logged (and again every as long)
+FAILED_SUFFIX = ".failed"
 PREFILL_MODES = ("EXTEND", "MIXED")
 OWNER_HOOK = "hook"
 OWNER_SGLANG = "sglang"  # EAGLE-3/DFlash set layers_to_capture; we pass through
@@ -71,6 +77,11 @@ def dump_name(rid: str, offset: int) -> str:
     return f"{rid_stem(rid)}.{offset:09d}.pt"
 
 
+def failed_name(rid: str, offset: int) -> str:
+    """The marker the writer leaves when a piece could not be written (holds the reason)."""
+    return f"{rid_stem(rid)}.{offset:09d}{FAILED_SUFFIX}"
+
+
 def default_layer_ids(num_layers: int) -> list[int]:
     """SGLang's EAGLE-3 default capture ids [2, N//2, N-3]; refused when not three distinct layers
     (N=6 gives [2, 3, 3]; SGLang would capture layer 3 once and the aux state would be 2H wide)."""
@@ -95,43 +106,45 @@ def parse_layer_ids(text: str, num_layers: int) -> list[int]:
     return ids
 
 
+def parse_budget(text: str) -> int:
+    """HSX_DUMP_BUDGET_MB (MiB, may be fractional) -> bytes."""
+    try:
+        mb = float(text)
+    except ValueError:
+        raise ValueError(f"{ENV_BUDGET}={text!r} is not a number of MiB") from None
+    if not mb > 0:
+        raise ValueError(f"{ENV_BUDGET}={text!r} must be > 0")
+    return max(1, int(mb * 2**20))
+
+
+def _first_of(default: Any, *lookups: tuple[str, Any]) -> Any:
+    """read(module) of the first (module, read) whose module imports and whose read does not raise."""
+    import importlib
+
+    for module, read in lookups:
+        try:
+            return read(importlib.import_module(module))
+        except Exception:
+            pass
+    return default
+
+
 def sglang_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("sglang")
-    except Exception:
-        pass
-    try:
-        from sglang.version import __version__  # type: ignore[import-not-found]
-
-        return str(__version__)
-    except Exception:
-        return "unknown"
+    return _first_of(
+        "unknown",
+        ("importlib.metadata", lambda m: m.version("sglang")),
+        ("sglang.version", lambda m: str(m.__version__)),
+    )
 
 
 def attention_tp_rank() -> int:
     """Rank within the attention-TP group (which holds the same tokens); 0 when not distributed."""
-    try:
-        from sglang.srt.layers.dp_attention import get_attention_tp_rank  # type: ignore[import-not-found]
-
-        return int(get_attention_tp_rank())
-    except Exception:
-        pass
-    try:
-        from sglang.srt.distributed.parallel_state import get_attn_tp_group  # type: ignore[import-not-found]
-
-        return int(get_attn_tp_group().rank_in_group)
-    except Exception:
-        pass
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except Exception:
-        pass
-    return 0
+    return _first_of(
+        0,
+        ("sglang.srt.layers.dp_attention", lambda m: int(m.get_attention_tp_rank())),
+        ("sglang.srt.distributed.parallel_state", lambda m: int(m.get_attn_tp_group().rank_in_group)),
+        ("torch.distributed", lambda m: int(m.get_rank()) if m.is_available() and m.is_initialized() else 0),
+    )
 
 
 def _num_layers(model: Any) -> int:
@@ -150,9 +163,15 @@ def attach(model: Any, environ: dict[str, str] | None = None) -> DumpHook | None
         num_layers = _num_layers(model)
         text = env.get(ENV_LAYERS, "")
         layer_ids = parse_layer_ids(text, num_layers) if text else default_layer_ids(num_layers)
+        budget = parse_budget(env.get(ENV_BUDGET, "") or str(DEFAULT_BUDGET_MB))
         os.makedirs(directory, exist_ok=True)
-        hook = DumpHook(model, directory, layer_ids)
-        log.info("hsx dump hook: dumping prefill states of layers %s to %s", layer_ids, directory)
+        hook = DumpHook(model, directory, layer_ids, budget_bytes=budget)
+        log.info(
+            "hsx dump hook: dumping prefill states of layers %s to %s (budget %.0f MiB)",
+            layer_ids,
+            directory,
+            budget / 2**20,
+        )
         return hook
     except Exception:
         _log_once("attach", "not attached, SGLang runs unpatched", exc_info=True)
@@ -170,8 +189,139 @@ def pack_aux(aux: Any) -> Any:
     return torch.cat(list(aux), dim=-1)
 
 
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Piece:
+    """One request's rows of one pass, what one dump file holds (tensors not yet exact-owned);
+    `rows` in the order of the pass's sources: final state, input ids, aux parts."""
+
+    __slots__ = ("rid", "offset", "hidden", "ids", "aux")
+
+    def __init__(self, rid: str, offset: int, rows: list[Any]):
+        self.rid, self.offset = rid, offset
+        self.hidden, self.ids, self.aux = rows[0], rows[1], rows[2:]
+
+
+class _Pass:
+    """The dump work of one forward pass, as the writer takes it."""
+
+    __slots__ = ("pieces", "nbytes", "ready", "device", "layer_ids", "owner", "version")
+
+    def __init__(self, pieces: list[_Piece], nbytes: int, layer_ids: list[int], owner: str, version: str):
+        self.pieces = pieces
+        self.nbytes = nbytes
+        self.ready: Any = None  # CUDA event to synchronize before the host bytes are read
+        self.device: Any = None  # its CUDA device
+        self.layer_ids, self.owner, self.version = layer_ids, owner, version
+
+
+class _Writer:
+    """The writer thread and the memory budget it shares with the forward (one Condition)."""
+
+    def __init__(self, budget: int, write_pass: Any):
+        self.budget = budget
+        self._write_pass = write_pass
+        self.cond = threading.Condition()
+        self.queue: collections.deque[_Pass] = collections.deque()
+        self.held = 0  # bytes admitted and not yet released
+        self.busy = False
+        self.thread: threading.Thread | None = None
+        self.pid = 0
+        self.waited = 0.0  # seconds the forward waited for room (back-pressure)
+        self.write_seconds = 0.0
+        self.bytes_written = 0
+
+    # ------------------------------------------------------------ the forward's side
+
+    def _ensure_thread(self) -> None:
+        if self.thread is not None and self.pid == os.getpid() and self.thread.is_alive():
+            return
+        if self.pid != os.getpid():  # first use, or a forked child: nothing in flight is ours
+            self.cond = threading.Condition()
+            self.queue.clear()
+            self.held, self.busy = 0, False
+            if self.pid == 0:
+                atexit.register(self.drain_at_exit)
+            self.pid = os.getpid()
+        self.thread = threading.Thread(target=self._run, name="hsx-dump-writer", daemon=True)
+        self.thread.start()
+
+    def admit(self, nbytes: int) -> None:
+        """Wait until `nbytes` fit in the budget beside the bytes in flight, then hold them; a pass
+        larger than the whole budget waits until nothing is in flight and then goes alone."""
+        self._ensure_thread()
+        if nbytes > self.budget:
+            _log_once("oversize", "a pass of %.0f MiB exceeds %s; it goes alone", nbytes / 2**20, ENV_BUDGET)
+        with self.cond:
+            t0 = time.perf_counter()
+            while self.held and self.held + nbytes > self.budget:  # back-pressure, logged if long
+                if not self.cond.wait(STALL_LOG_SECONDS):
+                    log.warning(
+                        "hsx dump hook: the forward has waited %.0f s for the dump writer (%.0f MiB in "
+                        "flight, budget %.0f MiB); is the dump disk stuck?",
+                        time.perf_counter() - t0,
+                        self.held / 2**20,
+                        self.budget / 2**20,
+                    )
+            self.waited += time.perf_counter() - t0
+            self.held += nbytes
+
+    def submit(self, job: _Pass) -> None:
+        with self.cond:
+            self.queue.append(job)
+            self.cond.notify_all()
+
+    def release(self, nbytes: int) -> None:
+        with self.cond:
+            self.held -= nbytes
+            self.cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every pass taken so far is written (or failed); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while self.queue or self.busy:
+                if self.thread is None or not self.thread.is_alive() or self.pid != os.getpid():
+                    return False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cond.wait(left)
+        return True
+
+    def drain_at_exit(self) -> None:
+        if self.pid != os.getpid() or not (self.queue or self.busy):
+            return
+        if not self.flush(EXIT_DRAIN_SECONDS):
+            log.warning("hsx dump hook: %d passes not written at exit", len(self.queue))
+
+    # ------------------------------------------------------------ the writer thread
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue:
+                    self.cond.wait()
+                job = self.queue.popleft()
+                self.busy = True
+            t0 = time.perf_counter()
+            try:
+                self._write_pass(job)
+            except BaseException as exc:  # noqa: BLE001 - the thread must survive anything
+                _log_once(f"writer:{type(exc).__name__}", "writer error: %s", exc, exc_info=True)
+            finally:
+                job.pieces = []  # drop the references before the room is given back
+                dt = time.perf_counter() - t0
+                with self.cond:
+                    self.write_seconds += dt
+                    self.busy = False
+                self.release(job.nbytes)
+
+
 class DumpHook:
-    def __init__(self, model: Any, directory: str, layer_ids: list[int]):
+    def __init__(self, model: Any, directory: str, layer_ids: list[int], budget_bytes: int | None = None):
         self.model = model
         self.directory = directory
         self.layer_ids = list(layer_ids)
@@ -179,41 +329,66 @@ class DumpHook:
         model.layers_to_capture = self.owned
         self.version = sglang_version()
         self.rank: int | None = None
+        self.budget = int(budget_bytes or DEFAULT_BUDGET_MB * 2**20)
+        self.writer = _Writer(self.budget, self._write_pass)
         self.dumped = 0  # files written (for tests and logs)
+        self.failed = 0  # pieces that could not be written
+        self._streams: dict[Any, Any] = {}  # CUDA device -> side stream
 
     def owns_capture(self) -> bool:
         return self.model.layers_to_capture is self.owned
 
     def after_forward(self, forward_batch: Any, hidden_states: Any, aux_hidden_states: Any) -> Any:
-        """Dump a prefill batch; return the aux states the model should return."""
+        """Hand a prefill batch to the writer; return the aux states the model should return."""
         owned = True
         try:
             owned = self.owns_capture()
-            result = [] if owned else aux_hidden_states
-            if self._should_dump(forward_batch):
-                self._dump(forward_batch, hidden_states, aux_hidden_states, owned)
-            return result
+            if self._should_dump(forward_batch, hidden_states):
+                self._take(forward_batch, hidden_states, aux_hidden_states, owned)
         except Exception as exc:
             _log_once(f"dump:{type(exc).__name__}", "batch skipped: %s", exc, exc_info=True)
-            return [] if owned else aux_hidden_states
+        return [] if owned else aux_hidden_states
 
-    def _should_dump(self, forward_batch: Any) -> bool:
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every dump taken so far is written or has failed (tests, benchmarks, exit)."""
+        return self.writer.flush(timeout)
+
+    def stats(self) -> dict[str, float]:
+        w = self.writer
+        return {
+            "dumped": self.dumped,
+            "failed": self.failed,
+            "held_bytes": w.held,
+            "waited_s": w.waited,
+            "write_s": w.write_seconds,
+            "bytes_written": w.bytes_written,
+        }
+
+    def _should_dump(self, forward_batch: Any, hidden_states: Any) -> bool:
         mode = getattr(forward_batch.forward_mode, "name", str(forward_batch.forward_mode))
         if mode not in PREFILL_MODES:
             return False
-        try:
-            import torch
+        import torch
 
+        try:
             if torch.compiler.is_compiling():
                 _log_once("compiling", "forward is being compiled (prefill CUDA graphs on?); not dumping")
                 return False
         except AttributeError:
             pass
+        if getattr(hidden_states, "is_cuda", False) and torch.cuda.is_current_stream_capturing():
+            _log_once(
+                "capturing", "forward is being captured in a CUDA graph (prefill graphs on?); not dumping"
+            )
+            return False
         if self.rank is None:
             self.rank = attention_tp_rank()
         return self.rank == 0
 
-    def _dump(self, forward_batch: Any, hidden_states: Any, aux: Any, owned: bool) -> None:
+    # ------------------------------------------------------------ the forward's side
+
+    def _take(self, forward_batch: Any, hidden_states: Any, aux: Any, owned: bool) -> None:
+        """Check the batch, cut it per request and hand it to the writer (may wait for room)."""
         import torch
 
         rids = getattr(forward_batch, "rids", None)
@@ -230,10 +405,10 @@ class DumpHook:
         total = sum(seq_lens)
         input_ids = forward_batch.input_ids
         layer_ids = list(self.owned if owned else self.model.layers_to_capture)
-        if len(aux) != len(layer_ids) and not hasattr(aux, "finalize"):
+        if not hasattr(aux, "finalize") and len(aux) != len(layer_ids):
             raise ValueError(f"{len(aux)} aux states for layers {layer_ids}")
         # The packer form is already [tokens, k*H]; the list form is cut per request and
-        # concatenated per request, never for the whole batch (no batch-sized temporary).
+        # concatenated per request by the writer, never for the whole batch.
         packed = pack_aux(aux) if hasattr(aux, "finalize") or not isinstance(aux, list | tuple) else None
         parts = [packed] if packed is not None else list(aux)
         tensors = [("hidden_states", hidden_states), ("input_ids", input_ids)] + [("aux", t) for t in parts]
@@ -244,56 +419,158 @@ class DumpHook:
         width = sum(int(t.shape[-1]) for t in parts)
         if width != hidden * len(layer_ids):
             raise ValueError(f"aux width {width} != {len(layer_ids)} layers x {hidden}")
-        start = 0
-        for rid, n, prefix in zip(rids, seq_lens, prefix_lens, strict=True):
-            end = start + n
-            if packed is not None:
-                aux_rows = _owned_cpu(packed[start:end])
-            else:
-                aux_rows = _owned_cpu(torch.cat([t[start:end] for t in parts], dim=-1))
-            record = {
-                "format": FORMAT,
-                "rid": str(rid),
-                "offset": prefix,
-                "seq_len": prefix + n,
-                "input_ids": _owned_cpu(input_ids[start:end]).long(),
-                "hidden_state": _owned_cpu(hidden_states[start:end]),
-                "aux_hidden_state": aux_rows,
-                "layer_ids": layer_ids,
-                "capture_owner": OWNER_HOOK if owned else OWNER_SGLANG,
-                "sglang_version": self.version,
-            }
-            self._write(dump_name(str(rid), prefix), record)
-            start = end
+        sources = [hidden_states.detach(), input_ids.detach()] + [t.detach() for t in parts]
+        if not hidden_states.is_cuda:  # the writer keeps references, copies only what SGLang reuses
+            reused = getattr(forward_batch, "aux_hidden_states_buffer", None)  # SGLang's, every pass
+            if packed is not None and _shares_storage(packed, reused):
+                sources[2] = packed.detach().clone()  # not ours to keep
+            sources[1] = sources[1].to(torch.long, copy=True)  # tiny; the batch's ids are SGLang's
+        owner = OWNER_HOOK if owned else OWNER_SGLANG
+        job = _Pass([], sum(_nbytes(t) for t in sources), layer_ids, owner, self.version)
+        self.writer.admit(job.nbytes)  # what the pass holds: CPU, the rows; CUDA, their pinned copies
+        try:
+            if hidden_states.is_cuda:
+                sources = self._copy_to_host(sources, job)
+            start = 0  # a pass's rows are contiguous per request, in rids order
+            for rid, n, offset in zip(rids, seq_lens, prefix_lens, strict=True):
+                job.pieces.append(_Piece(str(rid), offset, [t[start : start + n] for t in sources]))
+                start += n
+        except BaseException:
+            # The room goes back, or the next pass would wait forever. Copies already queued into
+            # the dropped pinned tensors are harmless: the caching host allocator notes the stream
+            # of each non-blocking copy and reuses a freed block only once that stream passed it.
+            self.writer.release(job.nbytes)
+            raise
+        self.writer.submit(job)
 
-    def _write(self, name: str, record: dict[str, Any]) -> None:
+    def _copy_to_host(self, sources: list[Any], job: _Pass) -> list[Any]:
+        """Queue a copy of each source into a pinned host tensor of its own, on a side stream that
+        first waits for the forward's stream, and record job.ready after them: the host tensors."""
         import torch
 
-        final = os.path.join(self.directory, name)
+        device = sources[0].device
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        hosts = []
+        with torch.cuda.stream(stream):
+            for t in sources:
+                host = self._pinned(t.shape, t.dtype)
+                host.copy_(t, non_blocking=True)
+                if t.is_cuda:  # the caching allocator must not reuse it before this copy ran
+                    t.record_stream(stream)
+                hosts.append(host)
+            job.ready = torch.cuda.Event(blocking=True)  # the writer sleeps on it, not spins
+            job.ready.record(stream)
+        job.device = device
+        return hosts
+
+    def _pinned(self, shape: Any, dtype: Any) -> Any:
+        """Pinned host memory from torch's caching host allocator (freed blocks are cached by
+        power-of-two size and handed out again: cheap once warm)."""
+        import torch
+
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    # ------------------------------------------------------------ the writer's side
+
+    def _write_pass(self, job: _Pass) -> None:
+        if job.ready is not None:
+            try:
+                import torch
+
+                # a new thread's current device is 0: a rank on cuda:N would open a context on GPU 0
+                torch.cuda.set_device(job.device)
+                job.ready.synchronize()
+            except Exception as exc:
+                for piece in job.pieces:
+                    self._failed(piece, exc)
+                return
+        for piece in job.pieces:
+            try:
+                record = self._record(piece, job)
+                self._write(dump_name(piece.rid, piece.offset), record)
+                self.writer.bytes_written += sum(
+                    _nbytes(record[k]) for k in ("input_ids", "hidden_state", "aux_hidden_state")
+                )
+            except Exception as exc:
+                self._failed(piece, exc)
+
+    def _record(self, piece: _Piece, job: _Pass) -> dict[str, Any]:
+        import torch
+
+        aux = _owned_cpu(piece.aux[0]) if len(piece.aux) == 1 else torch.cat(piece.aux, dim=-1)
+        return {
+            "format": FORMAT,
+            "rid": piece.rid,
+            "offset": piece.offset,
+            "seq_len": piece.offset + int(piece.ids.shape[0]),
+            "input_ids": _owned_cpu(piece.ids.long()),
+            "hidden_state": _owned_cpu(piece.hidden),
+            "aux_hidden_state": aux,
+            "layer_ids": job.layer_ids,
+            "capture_owner": job.owner,
+            "sglang_version": job.version,
+        }
+
+    def _failed(self, piece: _Piece, exc: BaseException) -> None:
+        """Log a piece not written; leave its marker (the reason) where the directory takes it."""
+        self.failed += 1
+        name = dump_name(piece.rid, piece.offset)
+        log.warning("hsx dump hook: dump %s not written: %s: %s", name, type(exc).__name__, exc)
+        _log_once(f"write:{type(exc).__name__}", "first write failure of this kind", exc_info=True)
+
+        def save(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(f"{type(exc).__name__}: {exc}\n")
+
+        try:
+            self._place(failed_name(piece.rid, piece.offset), save)
+        except OSError:
+            pass  # no marker either: the client times out and asks again
+
+    def _save(self, record: dict[str, Any], path: str) -> None:
+        import torch
+
+        torch.save(record, path)
+
+    def _write(self, name: str, record: dict[str, Any]) -> None:
+        self._place(name, lambda tmp: self._save(record, tmp))
+        self.dumped += 1
+
+    def _place(self, name: str, save: Any) -> None:
+        """save(a temp name), then rename it to `name`: the file appears whole or not at all."""
         tmp = os.path.join(self.directory, f".{name}.{os.getpid()}.tmp")
         try:
-            torch.save(record, tmp)
-            os.replace(tmp, final)
+            save(tmp)
+            os.replace(tmp, os.path.join(self.directory, name))
         except BaseException:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
             raise
-        self.dumped += 1
+
+
+def _shares_storage(a: Any, b: Any) -> bool:
+    try:
+        return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except Exception:
+        return False
 
 
 def _owned_cpu(t: Any) -> Any:
-    """A contiguous CPU tensor owning exactly its bytes (torch.save writes a view's whole storage)."""
+    """A CPU tensor (`t` is one) whose storage is exactly its bytes (torch.save writes a view's whole
+    storage): the tensor itself, an alias of a contiguous view's bytes (no copy; the caller keeps
+    the viewed tensor alive until it is written), or a copy."""
     import torch
 
-    if t.device.type != "cpu":
-        return t.detach().to("cpu").contiguous()
     t = t.detach()
-    if (
-        t.is_contiguous()
-        and t.storage_offset() == 0
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    ):
+    nbytes = _nbytes(t)
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes:
         return t
+    if t.is_contiguous() and nbytes > 0:
+        view = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+        return torch.frombuffer(view, dtype=t.dtype, count=t.numel()).view(t.shape)
     return t.clone(memory_format=torch.contiguous_format)

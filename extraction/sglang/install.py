@@ -15,9 +15,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from extraction import patching
-from extraction.sglang import patchdef
-from extraction.sglang.versions import support_problem
+from hsx import patching, sglang_patch
+from hsx.sglang_versions import support_problem
 
 HOOK_SOURCE = Path(__file__).with_name("hook.py")
 
@@ -27,11 +26,11 @@ class InstallError(Exception):
 
 
 def dump_patch() -> patching.Patch:
-    return patching.Patch.from_dict(patchdef.SGLANG_DUMP_PATCH)
+    return patching.Patch.from_dict(sglang_patch.SGLANG_DUMP_PATCH)
 
 
 def _is_package(path: Path) -> bool:
-    return (path / "__init__.py").is_file() and (path / patchdef.TARGET).is_file()
+    return (path / "__init__.py").is_file() and (path / sglang_patch.TARGET).is_file()
 
 
 def find_package(path: str | os.PathLike) -> Path:
@@ -52,7 +51,7 @@ def find_package(path: str | os.PathLike) -> Path:
         if _is_package(c):
             return c.resolve()
     raise InstallError(
-        f"{p}: no sglang package with {patchdef.TARGET} there, in sglang/, python/sglang/ "
+        f"{p}: no sglang package with {sglang_patch.TARGET} there, in sglang/, python/sglang/ "
         "or lib/python3*/site-packages/sglang/"
     )
 
@@ -69,7 +68,7 @@ def _ask_python(python: Path) -> Path:
         raise InstallError(f"{python}: has no importable sglang: {out.stderr.strip().splitlines()[-1:]}")
     pkg = Path(out.stdout.strip())
     if not _is_package(pkg):
-        raise InstallError(f"{python}: sglang at {pkg} has no {patchdef.TARGET}")
+        raise InstallError(f"{python}: sglang at {pkg} has no {sglang_patch.TARGET}")
     return pkg
 
 
@@ -128,8 +127,8 @@ class Status:
 
 def status(pkg: Path) -> Status:
     version = read_version(pkg)
-    text = patching.read_text(str(pkg / patchdef.TARGET))
-    hook_sha = _sha(pkg / patchdef.HOOK_FILENAME)
+    text = patching.read_text(str(pkg / sglang_patch.TARGET))
+    hook_sha = _sha(pkg / sglang_patch.HOOK_FILENAME)
     hook = "missing" if hook_sha is None else ("current" if hook_sha == _sha(HOOK_SOURCE) else "different")
     return Status(str(pkg), version, support_problem(version), patching.examine(text, dump_patch()), hook)
 
@@ -141,16 +140,16 @@ def apply(
     problem = support_problem(read_version(pkg))
     if problem and not force:
         raise patching.PatchError(f"{pkg}: {problem}; nothing changed (--force to patch anyway)")
-    hook_dest = pkg / patchdef.HOOK_FILENAME
+    hook_dest = pkg / sglang_patch.HOOK_FILENAME
     hook_changed = _sha(hook_dest) != _sha(HOOK_SOURCE)
     # Plan the source patch first, so a refusal leaves the hook undeployed too.
-    patching.plan(patching.read_text(str(pkg / patchdef.TARGET)), dump_patch(), "present", force)
+    patching.plan(patching.read_text(str(pkg / sglang_patch.TARGET)), dump_patch(), "present", force)
     if hook_changed and not check_mode:
         tmp = hook_dest.with_name(f".{hook_dest.name}.tmp")
         shutil.copyfile(HOOK_SOURCE, tmp)
         os.replace(tmp, hook_dest)
     result = patching.apply_file(
-        str(pkg / patchdef.TARGET), dump_patch(), "present", force=force, backup=backup, check_mode=check_mode
+        str(pkg / sglang_patch.TARGET), dump_patch(), "present", force=force, backup=backup, check_mode=check_mode
     )
     return result, hook_changed
 
@@ -160,9 +159,9 @@ def revert(
 ) -> tuple[patching.Result, bool]:
     """Remove the patch (byte-identical original) and, by default, the hook module."""
     result = patching.apply_file(
-        str(pkg / patchdef.TARGET), dump_patch(), "absent", backup=backup, check_mode=check_mode
+        str(pkg / sglang_patch.TARGET), dump_patch(), "absent", backup=backup, check_mode=check_mode
     )
-    hook_dest = pkg / patchdef.HOOK_FILENAME
+    hook_dest = pkg / sglang_patch.HOOK_FILENAME
     hook_removed = remove_hook and hook_dest.exists()
     if hook_removed and not check_mode:
         hook_dest.unlink()

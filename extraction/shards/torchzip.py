@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
-from extraction.shards import format as fmt
+from hsx.crc import active_crc32
+from hsx.layout import DTYPES, KEY_AUX, KEY_HIDDEN, KEY_INPUT_IDS, KEY_LOSS_MASK
+from hsx.ziprecords import ShardReader, read_zip_records
 
 _ALIGN = 64  # torch aligns every record's data to 64 bytes ("FB" padding in the local extra field)
 _U32 = 0xFFFFFFFF
@@ -190,7 +192,7 @@ class TorchZipLayout:
         crc32, combine = self.crc32, self.combine
         items, buffers = [], {}
         for i, (key, t) in enumerate(payload.items()):
-            storage = fmt.DTYPES[str(t.dtype).removeprefix("torch.")][0]
+            storage = DTYPES[str(t.dtype).removeprefix("torch.")][0]
             items.append((key, storage, str(i), tuple(t.shape)))
             buffers[f"data/{i}"] = tensor_buffer(t)
         pickled = tensor_dict_pickle(items)
@@ -268,10 +270,10 @@ def _probe(dtype: torch.dtype, length: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(length)
     hidden = 3
     return {
-        fmt.KEY_INPUT_IDS: torch.randint(0, 1000, (length,), generator=g),
-        fmt.KEY_LOSS_MASK: torch.randint(0, 2, (length,), generator=g),
-        fmt.KEY_HIDDEN: torch.randn(1, length, hidden, generator=g).to(dtype),
-        fmt.KEY_AUX: torch.randn(1, length, 3 * hidden, generator=g).to(dtype),
+        KEY_INPUT_IDS: torch.randint(0, 1000, (length,), generator=g),
+        KEY_LOSS_MASK: torch.randint(0, 2, (length,), generator=g),
+        KEY_HIDDEN: torch.randn(1, length, hidden, generator=g).to(dtype),
+        KEY_AUX: torch.randn(1, length, 3 * hidden, generator=g).to(dtype),
     }
 
 
@@ -286,8 +288,8 @@ def learn_layout(dtype: torch.dtype) -> tuple[TorchZipLayout | None, str]:
     (None, why not) otherwise."""
     try:
         reference = _torch_save_bytes(_probe(dtype, 5))
-        reader = fmt._Reader(-1, len(reference), reference)
-        zrecords, _ = fmt.read_zip_records(reader)
+        reader = ShardReader(-1, len(reference), reference)
+        zrecords, _ = read_zip_records(reader)
         in_file_order = sorted(zrecords, key=lambda r: r.data_offset)
         prefix = in_file_order[0].name.split("/", 1)[0] + "/"
         records: list[_Record] = []
@@ -299,8 +301,8 @@ def learn_layout(dtype: torch.dtype) -> tuple[TorchZipLayout | None, str]:
                 name_hash = data[:20].decode()
             is_variable = short in ("data.pkl", _ID_RECORD) or short.startswith("data/")
             records.append(_Record(short, None if is_variable else data))
-        # The CRC32 format chose (and checked against zlib) at import, as `full` uses it.
-        layout = TorchZipLayout(prefix, records, name_hash, fmt._crc32, fmt._crc32_combine_lib)
+        # The CRC32 the core chose (and checked against zlib) at import, as `full` uses it.
+        layout = TorchZipLayout(prefix, records, name_hash, *active_crc32())
         for length in (5, 300):  # two lengths: a second int width, and the id is no copy
             payload = _probe(dtype, length)
             want = _torch_save_bytes(payload)

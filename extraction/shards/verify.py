@@ -1,6 +1,6 @@
 """The `deep` level (needs torch) and the package-side entry point to verification.
 
-`quick` and `full` live in the stdlib-only format module so the Ansible module runs them on
+`quick` and `full` live in the stdlib-only core (hsx.verify) so the Ansible module runs them on
 hosts without torch; `deep` loads the tensors, so it lives here. It only ever runs on a file
 that already passed `full`, so torch's loader never sees a pickle our restricted reader refused.
 """
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from extraction.shards import format as fmt
-from extraction.shards.format import Expect, ShardInfo, VerifyReport
+import hsx.verify
+from hsx.layout import KEY_AUX, KEY_HIDDEN, KEY_INPUT_IDS, KEY_LOSS_MASK, SHARD_KEYS
+from hsx.verify import Expect, ShardInfo, VerifyReport
 
 _CHUNK_ELEMS = 1 << 24  # check finiteness in slices so a 2 GB tensor needs no 2 GB mask
 
@@ -23,10 +24,10 @@ def deep_check(path: str, expect: Expect, info: ShardInfo) -> str | None:
         data = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     except Exception as e:  # torch raises many types for a bad file; any of them means bad
         return f"torch.load failed: {type(e).__name__}: {e}"
-    if not isinstance(data, dict) or set(data) != set(fmt.SHARD_KEYS):
+    if not isinstance(data, dict) or set(data) != set(SHARD_KEYS):
         return f"loaded object is not the four-key shard dict (keys {sorted(data) if isinstance(data, dict) else type(data).__name__})"
     want_dtype = getattr(torch, expect.dtype)
-    for key in (fmt.KEY_HIDDEN, fmt.KEY_AUX):
+    for key in (KEY_HIDDEN, KEY_AUX):
         t = data[key]
         if t.dtype != want_dtype:
             return f"{key} loads as {t.dtype}, run.json says {expect.dtype}"
@@ -34,7 +35,7 @@ def deep_check(path: str, expect: Expect, info: ShardInfo) -> str | None:
         for start in range(0, flat.numel(), _CHUNK_ELEMS):
             if not bool(torch.isfinite(flat[start : start + _CHUNK_ELEMS]).all()):
                 return f"{key} has NaN or Inf values"
-    ids = data[fmt.KEY_INPUT_IDS]
+    ids = data[KEY_INPUT_IDS]
     if ids.dtype != torch.int64:
         return f"input_ids loads as {ids.dtype}, expected torch.int64"
     if ids.numel():
@@ -43,7 +44,7 @@ def deep_check(path: str, expect: Expect, info: ShardInfo) -> str | None:
             return f"input_ids has a negative id ({lo})"
         if expect.vocab_size is not None and hi >= expect.vocab_size:
             return f"input_ids has id {hi}, outside the vocabulary ({expect.vocab_size})"
-    mask = data[fmt.KEY_LOSS_MASK]
+    mask = data[KEY_LOSS_MASK]
     if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
         return "loss_mask has values other than 0 and 1"
     return None
@@ -59,8 +60,8 @@ def verify_output(
     progress: Callable[[int, int, int], None] | None = None,
     orphan_min_age: float = 600.0,
 ) -> VerifyReport:
-    """format.verify_output with the torch-based deep level plugged in."""
-    return fmt.verify_output(
+    """hsx.verify.verify_output with the torch-based deep level plugged in."""
+    return hsx.verify.verify_output(
         output_dir,
         level,
         quarantine=quarantine,

@@ -22,10 +22,28 @@ from typing import Any
 
 import torch
 
-from extraction.shards import format as fmt
+import hsx.fsutil
 from extraction.shards import torchzip
-from extraction.shards.format import IndexEntry, ManifestError
-from extraction.shards.manifest import RunManifest, manifest_mismatches, read_manifest, write_manifest
+from hsx.fsutil import fsync_dir, unlink_quiet
+from hsx.index import (
+    IndexEntry,
+    checksum_string,
+    encode_index_line,
+    index_record,
+    open_index_for_append,
+    write_index_bytes,
+)
+from hsx.layout import (
+    KEY_AUX,
+    KEY_HIDDEN,
+    KEY_INPUT_IDS,
+    KEY_LOSS_MASK,
+    MANIFEST_NAME,
+    SHARDS_DIR,
+    shard_relpath,
+    temp_name,
+)
+from hsx.manifest import ManifestError, RunManifest, manifest_mismatches, read_manifest, write_manifest
 
 _DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -176,8 +194,8 @@ class ShardWriter:
         self._index_fd: int | None = None
         # torch.save's bytes laid out directly, when they match this host's torch byte for byte.
         self._layout, self.write_mode = torchzip.layout_for(self._dtype)  # (None, why) if not
-        os.makedirs(os.path.join(self.output_dir, fmt.SHARDS_DIR), exist_ok=True)
-        if os.path.exists(os.path.join(self.output_dir, fmt.MANIFEST_NAME)):
+        os.makedirs(os.path.join(self.output_dir, SHARDS_DIR), exist_ok=True)
+        if os.path.exists(os.path.join(self.output_dir, MANIFEST_NAME)):
             existing = read_manifest(self.output_dir)
             mismatches = manifest_mismatches(existing, manifest)
             if mismatches:
@@ -214,28 +232,28 @@ class ShardWriter:
         mask = loss_mask.reshape(-1) if loss_mask.dim() == 2 and loss_mask.shape[0] == 1 else loss_mask
         length = ids.shape[0] if ids.dim() == 1 else -1
         want = {
-            fmt.KEY_INPUT_IDS: (length,),
-            fmt.KEY_LOSS_MASK: (length,),
-            fmt.KEY_HIDDEN: (1, length, m.hidden_size),
-            fmt.KEY_AUX: (1, length, m.num_aux * m.hidden_size),
+            KEY_INPUT_IDS: (length,),
+            KEY_LOSS_MASK: (length,),
+            KEY_HIDDEN: (1, length, m.hidden_size),
+            KEY_AUX: (1, length, m.num_aux * m.hidden_size),
         }
         got = {
-            fmt.KEY_INPUT_IDS: tuple(ids.shape),
-            fmt.KEY_LOSS_MASK: tuple(mask.shape),
-            fmt.KEY_HIDDEN: tuple(hidden_state.shape),
-            fmt.KEY_AUX: tuple(aux_hidden_state.shape),
+            KEY_INPUT_IDS: tuple(ids.shape),
+            KEY_LOSS_MASK: tuple(mask.shape),
+            KEY_HIDDEN: tuple(hidden_state.shape),
+            KEY_AUX: tuple(aux_hidden_state.shape),
         }
         if length < 1 or got != want:
             raise ShardDataError(f"sample {sample_id!r}: tensor shapes {got} do not match the run {want}")
         if self.check_finite:
-            for key, t in ((fmt.KEY_HIDDEN, hidden_state), (fmt.KEY_AUX, aux_hidden_state)):
+            for key, t in ((KEY_HIDDEN, hidden_state), (KEY_AUX, aux_hidden_state)):
                 if not bool(torch.isfinite(t).all()):
                     raise ShardDataError(f"sample {sample_id!r}: {key} has NaN or Inf values")
         return {
-            fmt.KEY_INPUT_IDS: _on_cpu(ids, torch.int64),
-            fmt.KEY_LOSS_MASK: _on_cpu(mask, torch.int64),
-            fmt.KEY_HIDDEN: _on_cpu(hidden_state, self._dtype),
-            fmt.KEY_AUX: _on_cpu(aux_hidden_state, self._dtype),
+            KEY_INPUT_IDS: _on_cpu(ids, torch.int64),
+            KEY_LOSS_MASK: _on_cpu(mask, torch.int64),
+            KEY_HIDDEN: _on_cpu(hidden_state, self._dtype),
+            KEY_AUX: _on_cpu(aux_hidden_state, self._dtype),
         }
 
     def publish(
@@ -270,7 +288,7 @@ class ShardWriter:
         batch of them durable and done with one index write: the runner commits once per batch.
         """
         payload = self.build_payload(sample_id, input_ids, loss_mask, hidden_state, aux_hidden_state)
-        relpath = fmt.shard_relpath(sample_id)
+        relpath = shard_relpath(sample_id)
         final = os.path.join(self.output_dir, relpath)
         self._ensure_dir(os.path.dirname(final))
         size, crc = self._write_atomically(payload, final)
@@ -278,8 +296,8 @@ class ShardWriter:
             sample_id=sample_id,
             path=relpath,
             size=size,
-            checksum=fmt.checksum_string(crc),
-            num_tokens=int(num_tokens if num_tokens is not None else payload[fmt.KEY_INPUT_IDS].shape[0]),
+            checksum=checksum_string(crc),
+            num_tokens=int(num_tokens if num_tokens is not None else payload[KEY_INPUT_IDS].shape[0]),
         )
 
     def commit(self, entries: list[IndexEntry]) -> None:
@@ -294,17 +312,17 @@ class ShardWriter:
         try:
             for directory in dict.fromkeys(map(os.path.dirname, finals)):
                 os.fsync(self._ensure_dir(directory))
-            data = b"".join(fmt.encode_index_line(fmt.index_record(e)) for e in entries)
+            data = b"".join(encode_index_line(index_record(e)) for e in entries)
             with self._lock:
                 if self._index_fd is None:
-                    self._index_fd = fmt.open_index_for_append(self.output_dir)
-                fmt.write_index_bytes(self._index_fd, data, fsync=self.fsync_index)
+                    self._index_fd = open_index_for_append(self.output_dir)
+                write_index_bytes(self._index_fd, data, fsync=self.fsync_index)
                 indexed = True
         except BaseException as e:
             if indexed:  # done and durable (an interrupt landed after it): keep them
                 raise
             for final in finals:
-                fmt._unlink_quiet(final)
+                unlink_quiet(final)
             if isinstance(e, OSError) and _is_disk_full(e):
                 ids = ", ".join(repr(entry.sample_id) for entry in entries[:3])
                 raise DiskFullError(e.errno, f"disk full while indexing {ids}: {e}") from e
@@ -334,7 +352,7 @@ class ShardWriter:
                 if _is_disk_full(e):
                     raise DiskFullError(e.errno, f"disk full creating {directory}: {e}") from e
                 raise
-            fmt.fsync_dir(os.path.dirname(directory))
+            fsync_dir(os.path.dirname(directory))
         fd = os.open(directory, _DIR_FLAGS)
         kept = self._dir_fds.setdefault(directory, fd)  # another writer thread may have won
         if kept != fd:
@@ -349,7 +367,7 @@ class ShardWriter:
     def _write_atomically(self, payload: dict[str, torch.Tensor], final: str) -> tuple[int, int]:
         """temp -> write -> fsync -> rename (commit fsyncs the folder); (size, CRC32 of the file)."""
         directory, name = os.path.split(final)
-        tmp = os.path.join(directory, fmt.temp_name(name))
+        tmp = os.path.join(directory, temp_name(name))
         wrapper = _WriteErrorFile(None)  # keeps the OSError of a write through a file object
         try:
             encoded = self._encode(payload)
@@ -365,7 +383,7 @@ class ShardWriter:
             size, crc = (encoded.size, encoded.crc) if encoded is not None else file_crc32(tmp)
             os.replace(tmp, final)
         except BaseException as e:
-            fmt._unlink_quiet(tmp)
+            unlink_quiet(tmp)
             cause = wrapper.error if wrapper.error is not None else e
             if _is_disk_full(cause) or _is_disk_full(e):
                 code = getattr(cause, "errno", None) or errno.ENOSPC
@@ -391,4 +409,4 @@ def _is_real_file(f: Any, path: str) -> bool:
 
 def remove_orphan_temps(output_dir: str | os.PathLike[str]) -> int:
     """Delete writer temp files under OUTPUT (root and shards/); returns how many were removed."""
-    return len(fmt.remove_orphan_temps(os.fspath(output_dir)))
+    return len(hsx.fsutil.remove_orphan_temps(os.fspath(output_dir)))

@@ -31,7 +31,9 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_runner  # noqa: E402
 
-from extraction import runner as runner_mod  # noqa: E402
+from extraction import heap  # noqa: E402
+from extraction.runner import iter_batches_for_bench  # noqa: E402
+from extraction.runner.publish_process import WRITER_BUFFER_BATCHES, writer_buffer_bytes  # noqa: E402
 from extraction.writerproc import Arena, ArenaFull  # noqa: E402
 
 
@@ -43,7 +45,7 @@ class Ring:
         self.arena, self.held = arena, []
 
     def __call__(self, specs):
-        if len(self.held) >= runner_mod.WRITER_BUFFER_BATCHES:
+        if len(self.held) >= WRITER_BUFFER_BATCHES:
             self.arena.free(self.held.pop(0))
         while True:
             try:
@@ -66,10 +68,10 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hsx-into-"))
     try:
         setup = bench_runner.bench_setup(work, args)
-        batches = list(runner_mod.iter_batches_for_bench(setup.cfg, setup.entries, setup.tokenizer))
-        runner_mod.heap.keep_freed_memory()  # as in the runner's process
+        batches = list(iter_batches_for_bench(setup.cfg, setup.entries, setup.tokenizer))
+        heap.keep_freed_memory()  # as in the runner's process
         token_bytes = (1 + len(args.capture.split(","))) * args.hidden * 4
-        size = runner_mod.writer_buffer_bytes(args.batch_size, args.max_length, token_bytes)
+        size = writer_buffer_bytes(args.batch_size, args.max_length, token_bytes)
         ring = Ring(Arena(size))
         backend = setup.backend
 

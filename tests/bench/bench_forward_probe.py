@@ -5,7 +5,7 @@ Sides, interleaved in each round, over the runner's own batch plan (tiny model, 
   K   the same, keeping the last 5 batches' outputs alive (what the runner's queues hold)
   KC  K plus a thread copying each output into a NumPy ring (the courier's work on a CPU until
       the forward wrote its states into the writer's buffer itself)
-  B   the runner (`hsx extract` in-process, writer process): each `_forward` call timed
+  B   the runner (`hsx extract` in-process, writer process): each `Forward.forward` call timed
 For each: the time a round, the per-batch p5/p50/p95, and the process's minor page faults a round.
 
   python tests/bench/bench_forward_probe.py --rounds 8
@@ -35,7 +35,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_runner  # noqa: E402
 
-from extraction import runner as runner_mod  # noqa: E402
+from extraction.runner import iter_batches_for_bench  # noqa: E402
+from extraction.runner.forward import Forward  # noqa: E402
 
 
 def minor_faults() -> int:
@@ -46,22 +47,22 @@ class Probe:
     def __init__(self, args: argparse.Namespace, work: Path):
         setup = bench_runner.bench_setup(work, args)
         self.backend, self.cfg_kw = setup.backend, setup.cfg_kw
-        self.batches = list(runner_mod.iter_batches_for_bench(setup.cfg, setup.entries, setup.tokenizer))
+        self.batches = list(iter_batches_for_bench(setup.cfg, setup.entries, setup.tokenizer))
         self.threads = args.threads
         self.work = work
         self.ring = np.empty(64 << 20, dtype=np.uint8)
         self._runner_batches: list[float] = []
-        forward = runner_mod.Runner._forward
+        forward = Forward.forward
         probe = self
 
-        def timed_forward(runner, batch):
+        def timed_forward(stage, batch):
             t = time.perf_counter()
             try:
-                return forward(runner, batch)
+                return forward(stage, batch)
             finally:
                 probe._runner_batches.append(time.perf_counter() - t)
 
-        runner_mod.Runner._forward = timed_forward
+        Forward.forward = timed_forward
 
     def forward(self, side: str) -> tuple[list[float], int]:
         before = torch.get_num_threads()

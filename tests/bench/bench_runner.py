@@ -45,14 +45,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from extraction import runner as runner_mod  # noqa: E402
+from extraction import heap  # noqa: E402
 from extraction.backends.hf import HFBackend, torch_dtype  # noqa: E402
 from extraction.config import ExtractConfig, build_config  # noqa: E402
 from extraction.dataset import ChatTokenizer, DatasetEntry, load_tokenizer, scan_dataset  # noqa: E402
 from extraction.runner import Runner, iter_batches_for_bench  # noqa: E402
+from extraction.runner import plan as plan_mod  # noqa: E402
+from extraction.runner.timing import thread_usage  # noqa: E402
 from extraction.shards import ShardWriter  # noqa: E402
-from extraction.shards import format as fmt  # noqa: E402
 from extraction.tiny import build_tiny_model, write_tiny_dataset  # noqa: E402
+from hsx.index import IndexEntry, encode_index_line, index_record  # noqa: E402
+from hsx.layout import INDEX_NAME, shard_relpath  # noqa: E402
 
 
 @dataclass
@@ -161,14 +164,23 @@ class _Kept:
 
 
 def runner_run(
-    cfg_kw: dict, out: Path, backend: HFBackend | None = None, **extra
+    cfg_kw: dict,
+    out: Path,
+    backend: HFBackend | None = None,
+    *,
+    writer_threads: int = 0,
+    tokenizer_process: bool = True,
+    **extra,
 ) -> tuple[float, float, dict]:
-    """(model-ready -> last shard indexed, whole run() wall, the runner's timings)."""
+    """(model-ready -> last shard indexed, whole run() wall, the runner's timings). `extra` are
+    `hsx extract` options (publisher, limit, cpu_threads, ...); writer_threads and
+    tokenizer_process the Runner's variant arguments."""
     cfg = build_config({**cfg_kw, **extra, "output": str(out)})
+    variant = dict(writer_threads=writer_threads, tokenizer_process=tokenizer_process, log=lambda _m: None)
     if backend is None:  # the real backend factory: loads the model itself
-        r = Runner(cfg, log=lambda _m: None)
+        r = Runner(cfg, **variant)
     else:
-        r = Runner(cfg, backend_factory=lambda _c, _ids: _Kept(backend), log=lambda _m: None)
+        r = Runner(cfg, backend_factory=lambda _c, _ids: _Kept(backend), **variant)
     t = time.perf_counter()
     code = r.run()
     wall = time.perf_counter() - t
@@ -196,11 +208,11 @@ class ForwardProbe:
 
         def forward_states(backend, samples, **kw):
             f0 = thread_faults()
-            u0, t0 = runner_mod.thread_usage(), time.perf_counter()
+            u0, t0 = thread_usage(), time.perf_counter()
             try:
                 return inner(backend, samples, **kw)
             finally:
-                u1 = runner_mod.thread_usage()
+                u1 = thread_usage()
                 probe.faults += thread_faults() - f0
                 probe.wall += time.perf_counter() - t0
                 probe.cpu += u1[0] - u0[0]
@@ -286,7 +298,7 @@ def null_writer(on: bool):
 
     def fake_write(self, sample_id, input_ids, loss_mask, hidden_state, aux_hidden_state):
         size = hidden_state.nbytes + aux_hidden_state.nbytes
-        return fmt.IndexEntry(sample_id, "null", size, "crc32:00000000", int(input_ids.numel()))
+        return IndexEntry(sample_id, "null", size, "crc32:00000000", int(input_ids.numel()))
 
     ShardWriter.write, ShardWriter.commit = fake_write, lambda self, entries: None
     try:
@@ -351,18 +363,18 @@ def resume_startup(model_dir: Path, work: Path, n: int, layers: str) -> dict:
     made = set()
     for i in range(1, n):
         sid = f"s{i:06d}"
-        rel = fmt.shard_relpath(sid)
+        rel = shard_relpath(sid)
         d = os.path.dirname(rel)
         if d not in made:
             os.makedirs(out / d, exist_ok=True)
             made.add(d)
         (out / rel).write_bytes(data)
         lines.append(
-            fmt.encode_index_line(
-                fmt.index_record(fmt.IndexEntry(sid, rel, first.size, first.checksum, first.num_tokens))
+            encode_index_line(
+                index_record(IndexEntry(sid, rel, first.size, first.checksum, first.num_tokens))
             )
         )
-    with open(out / fmt.INDEX_NAME, "ab") as f:
+    with open(out / INDEX_NAME, "ab") as f:
         f.write(b"".join(lines))
     build_s = time.perf_counter() - t0
     os.sync()
@@ -417,14 +429,14 @@ def main() -> int:
     ap.add_argument(
         "--tokenizer",
         default="",
-        help="tokenizer variants of the runner, comma list of HSX_TOKENIZER values (process, thread); "
-        "default: the environment's",
+        help="tokenizer variants of the runner, comma list of process (a forked tokenizer process), "
+        "thread (Runner(tokenizer_process=False)); default: the runner's (process)",
     )
     ap.add_argument(
         "--writer",
         default="",
-        help="writer variants of the runner, comma list of HSX_WRITER values (process, thread); "
-        "default: the environment's",
+        help="writer variants of the runner, comma list of --publisher values (process, thread, auto); "
+        "default: the runner's (auto: process for this hf backend)",
     )
     ap.add_argument(
         "--env",
@@ -465,7 +477,7 @@ def main() -> int:
         params = sum(p.numel() for p in backend.model.parameters())
         entries, tok = setup.entries, setup.tokenizer
         batches = list(iter_batches_for_bench(cfg, entries, tok))
-        window = args.batch_size * runner_mod.WINDOW_BATCHES
+        window = args.batch_size * plan_mod.WINDOW_BATCHES
         part = max(window, args.samples // 4 // window * window)  # whole windows: the same batches
         part_batches = list(iter_batches_for_bench(cfg, entries[:part], tok)) if args.marginal else []
         tokens = sum(int(s.input_ids.numel()) for b in batches for s in b)
@@ -498,7 +510,7 @@ def main() -> int:
             tuned = [forward_only(backend, batches, args.device) for _ in range(2)]
             print(
                 f"forward-only under glibc's default malloc {min(untuned):.2f}s (best of 2); after the "
-                f"runner kept freed memory (extraction/heap.py: {runner_mod.heap.keep_freed_memory()}) "
+                f"runner kept freed memory (extraction/heap.py: {heap.keep_freed_memory()}) "
                 f"{min(tuned):.2f}s: every side below runs with the runner's setting"
             )
         env_name, _, env_values = args.env.partition("=")
@@ -555,9 +567,9 @@ def main() -> int:
                 if probe:
                     probe.take()  # what came between the sides: not this side's
                 if side == "A":
-                    u0 = runner_mod.thread_usage()
+                    u0 = thread_usage()
                     got[side] = forward_only(backend, batches, args.device)
-                    u1 = runner_mod.thread_usage()
+                    u1 = thread_usage()
                     line.append(
                         f"  forward-only's thread: cpu {u1[0] - u0[0]:.2f}s, context switches "
                         f"{u1[1] - u0[1]} voluntary, {u1[2] - u0[2]} involuntary"
@@ -577,19 +589,19 @@ def main() -> int:
                     cpu[side].append(time.process_time() - c0)
                 else:
                     var = variants[side]
-                    runner_mod.WRITER_THREADS = var["writer_threads"]
                     if var["env"]:
                         os.environ[env_name] = var["env"]
-                    if var["tokenizer"]:
-                        os.environ["HSX_TOKENIZER"] = var["tokenizer"]
-                    if var["writer"]:
-                        os.environ["HSX_WRITER"] = var["writer"]
                     run_kw = dict(cfg_kw, cpu_threads=var["cpu_threads"]) if var["cpu_threads"] else cfg_kw
+                    if var["writer"]:
+                        run_kw = dict(run_kw, publisher=var["writer"])
+                    variant = dict(
+                        writer_threads=var["writer_threads"], tokenizer_process=var["tokenizer"] != "thread"
+                    )
                     kept = backend if var["model"] == "kept" else None
                     sys.setswitchinterval(var["switch"] or default_switch)
                     try:
                         with null_writer(var["null"]):
-                            got[side], wall, tm = runner_run(run_kw, work / f"run{rnd}", kept)
+                            got[side], wall, tm = runner_run(run_kw, work / f"run{rnd}", kept, **variant)
                     finally:
                         sys.setswitchinterval(default_switch)
                     walls[side].append(wall)
@@ -597,7 +609,7 @@ def main() -> int:
                         line.append(f"  runner, {label[side]}: {probe.take()}")
                     if args.marginal:
                         with null_writer(var["null"]):
-                            t_part = runner_run(run_kw, work / f"part{rnd}", kept, limit=part)[0]
+                            t_part = runner_run(run_kw, work / f"part{rnd}", kept, limit=part, **variant)[0]
                         parts[side].append(t_part)
                         shutil.rmtree(work / f"part{rnd}")
                         if probe:

@@ -1,8 +1,10 @@
 """Dump hook cost, measured side by side in one run (the machine is shared and noisy).
 
 A prefill batch of K2.5-shaped states (hidden 7168, 3 aux layers, bf16) split into requests:
-1. hook.after_forward (split per request, copy, torch.save, rename) vs the floor: one torch.save
-   per request of tensors already split and owned (what any dump must at least do);
+1. hook.after_forward + flush (hand-off, then the writer thread's split, torch.save, rename: the
+   whole write, waited for) vs the floor: one torch.save per request of tensors already split and
+   owned (what any dump must at least do). The forward's critical path alone (after_forward
+   without the wait) is measured by bench_sglang_path.py;
 2. reading a request back (dumps.read_request, chunked into pieces) vs torch.load of the same files;
 3. the patched forward line when the hook is inactive (HSX_DUMP_DIR unset): its cost per call.
 
@@ -23,7 +25,8 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from extraction.sglang import dumps, hook, patchdef  # noqa: E402
+from extraction.sglang import dumps, hook  # noqa: E402
+from hsx import sglang_patch  # noqa: E402
 
 
 def _batch(requests: int, tokens: int, chunks: int):
@@ -70,6 +73,7 @@ def main() -> int:
             )
             t0 = time.perf_counter()
             hk.after_forward(fb, final, aux)
+            hk.flush()
             t_hook.append(time.perf_counter() - t0)
 
             packed = torch.cat(aux, dim=-1)
@@ -99,14 +103,14 @@ def main() -> int:
 
     med = statistics.median
     print(
-        f"1. hook.after_forward {med(t_hook) * 1e3:8.1f} ms   floor torch.save {med(t_floor) * 1e3:8.1f} ms   ratio {med(t_hook) / med(t_floor):.2f}"
+        f"1. after_forward+flush {med(t_hook) * 1e3:8.1f} ms   floor torch.save {med(t_floor) * 1e3:8.1f} ms   ratio {med(t_hook) / med(t_floor):.2f}"
     )
     print(
         f"2. read_request       {med(t_read) * 1e3:8.1f} ms   torch.load       {med(t_load) * 1e3:8.1f} ms   ratio {med(t_read) / med(t_load):.2f}"
     )
 
     # 3. inactive hook: the forward line as patched, with _hsx_dump None
-    (line,) = next(b["code"] for b in patchdef.SGLANG_DUMP_PATCH["blocks"] if b["name"] == "forward")
+    (line,) = next(b["code"] for b in sglang_patch.SGLANG_DUMP_PATCH["blocks"] if b["name"] == "forward")
     code = compile(line, "<patched-forward>", "exec")
     ns = {
         "self": SimpleNamespace(_hsx_dump=None),

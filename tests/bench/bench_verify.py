@@ -26,9 +26,14 @@ from pathlib import Path
 
 import torch
 
-from extraction.shards import RunManifest, ShardWriter
-from extraction.shards import format as fmt
+import hsx.crc
+from extraction.shards import ShardWriter
 from extraction.shards.verify import verify_output
+from hsx.cores import default_workers
+from hsx.crc import use_crc_backend
+from hsx.index import IndexEntry, append_index, index_record
+from hsx.layout import shard_relpath
+from hsx.manifest import RunManifest
 
 
 def manifest(hidden: int) -> RunManifest:
@@ -60,13 +65,11 @@ def make_copies(root: Path, n: int, tokens: int, hidden: int, distinct: int = 1)
     for i in range(n - len(seeds)):
         first, data = blobs[i % len(blobs)]
         sid = f"sample-{i:06d}"
-        rel = fmt.shard_relpath(sid)
+        rel = shard_relpath(sid)
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(data)
-        records.append(
-            fmt.index_record(fmt.IndexEntry(sid, rel, first.size, first.checksum, first.num_tokens))
-        )
-    fmt.append_index(str(root), records, fsync=True)
+        records.append(index_record(IndexEntry(sid, rel, first.size, first.checksum, first.num_tokens)))
+    append_index(str(root), records, fsync=True)
     return seeds[0].size
 
 
@@ -122,7 +125,7 @@ def best_of(repeat: int, sides: dict[str, object]) -> dict[str, float]:
 # known yet, as for every `hsx verify`) and a second one; prints "first second" in seconds.
 _QUICK_ALONE = """
 import sys, time
-from extraction.shards.format import verify_output
+from hsx.verify import verify_output
 assert "torch" not in sys.modules
 root, workers = sys.argv[1], int(sys.argv[2])
 times = []
@@ -138,8 +141,8 @@ print(*times)
 def quick_alone(root: Path, workers: int, out: dict[str, float]) -> None:
     """One run of _QUICK_ALONE; keeps the best first and second times in `out`."""
     # The code under test is the one this process imported (`python -c` would put the working
-    # directory first on sys.path, which may hold another checkout): its folder, run from /.
-    code_dir = str(Path(fmt.__file__).resolve().parents[2])
+    # directory first on sys.path, which may hold another checkout): hsx's folder, run from /.
+    code_dir = str(Path(hsx.crc.__file__).resolve().parents[1])
     got = subprocess.run(
         [sys.executable, "-c", _QUICK_ALONE, str(root), str(workers)],
         check=True,
@@ -239,7 +242,7 @@ def part_full_vs_cat(args, base: Path, backends: list[str]) -> None:
     cat_all(big)
 
     def full(backend: str, workers: int):
-        return lambda: (fmt.use_crc_backend(backend), verify_output(str(big), "full", workers=workers))
+        return lambda: (use_crc_backend(backend), verify_output(str(big), "full", workers=workers))
 
     sides: dict[str, object] = {"cat": lambda: cat_all(big)}
     for b in backends:
@@ -254,7 +257,7 @@ def part_full_vs_cat(args, base: Path, backends: list[str]) -> None:
         f"cat {gib / t['cat']:.2f} GiB/s | {figures}  target >= 0.8x"
     )
     # Cold: evict our own files from the page cache (no global drop_caches) and read from disk.
-    fmt.use_crc_backend(backends[0])
+    use_crc_backend(backends[0])
     t_cat_c = timed(lambda: (evict(big), cat_all(big)))
     t_f_c = timed(lambda: (evict(big), verify_output(str(big), "full", workers=args.workers)))
     print(
@@ -288,7 +291,7 @@ def main() -> None:
     ap.add_argument(
         "--workers",
         type=int,
-        default=fmt.default_workers(),
+        default=default_workers(),
         help="default: hsx verify's (cores - 1, at most 16)",
     )
     ap.add_argument(
@@ -306,9 +309,9 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="hsx-bench-", dir=args.dir))
     print(
         f"# bench_verify  {time.strftime('%Y-%m-%d %H:%M')}  cpus={os.cpu_count()} workers={args.workers} "
-        f"loadavg={os.getloadavg()[0]:.1f} distinct_lengths={args.distinct} crc32={fmt.CRC32_BACKEND}"
+        f"loadavg={os.getloadavg()[0]:.1f} distinct_lengths={args.distinct} crc32={hsx.crc.CRC32_BACKEND}"
     )
-    backends = list(dict.fromkeys([fmt.CRC32_BACKEND, "zlib"]))  # the fast one (if any) and the stdlib one
+    backends = list(dict.fromkeys([hsx.crc.CRC32_BACKEND, "zlib"]))  # the fast one (if any), zlib
     try:
         if "1" in args.only:
             part_quick_vs_torch_load(args, base)

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from extraction.shards import RunManifest, ShardWriter  # noqa: E402
+from extraction.shards import ShardWriter  # noqa: E402
+from hsx.manifest import RunManifest  # noqa: E402
 
 
 def forward_stand_in(

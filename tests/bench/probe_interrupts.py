@@ -39,8 +39,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_runner  # noqa: E402
 
-from extraction import runner as runner_mod  # noqa: E402
+from extraction import heap  # noqa: E402
 from extraction.backends.hf import HFBackend  # noqa: E402
+from extraction.runner import iter_batches_for_bench  # noqa: E402
 
 TRACEFS = Path("/sys/kernel/tracing")
 _IPI_EVENTS = ("ipi/ipi_send_cpu", "ipi/ipi_send_cpumask")
@@ -258,8 +259,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hsx-irq-"))
     try:
         setup = bench_runner.bench_setup(work, args)
-        batches = list(runner_mod.iter_batches_for_bench(setup.cfg, setup.entries, setup.tokenizer))
-        runner_mod.heap.keep_freed_memory()  # as in the runner's process
+        batches = list(iter_batches_for_bench(setup.cfg, setup.entries, setup.tokenizer))
+        heap.keep_freed_memory()  # as in the runner's process
         bench_runner.forward_only(setup.backend, batches, "cpu")  # warm
         probe.take()
         probe.trace_from = int(args.trace_after * len(batches))

@@ -2,8 +2,9 @@
 
 Builds bench_verify's run of N small shards, then verifies it in fresh torch-free processes (as
 `hsx verify` runs: every process verifies once, no layout known), each with its phases timed by
-wrappers around format.py's own functions; the forked workers' shares are timed inside the
-children (CLOCK_MONOTONIC, comparable across processes). Prints the median of each phase in ms.
+wrappers around the verifier's own functions (hsx.verify); the forked workers' shares are timed
+inside the children (CLOCK_MONOTONIC, comparable across processes). Prints the median of each
+phase in ms.
 
     python tests/bench/profile_quick.py --workers 1,2,8 --runs 7
 """
@@ -22,9 +23,7 @@ from pathlib import Path
 
 _PROFILED = r"""
 import json, os, sys, time
-from extraction.shards import format as fmt
-assert "torch" not in sys.modules
-root, workers, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+root, workers, log, layout = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 t = {}
 
 def timed(name, fn):
@@ -36,12 +35,7 @@ def timed(name, fn):
             t[name] = t.get(name, 0.0) + (time.perf_counter() - s) * 1e3
     return wrapper
 
-for name in ("_read_index_lines", "_index_rows", "_scan_top", "_split_by_size", "_fork_map",
-             "_merge_quick", "_reap", "_finish", "read_manifest_dict"):
-    setattr(fmt, name, timed(name, getattr(fmt, name)))
-fmt._QuickWorker.list = timed("list", fmt._QuickWorker.list)
-
-# A worker's share (older code: _check_share) or its whole take of chunks (_Chunks.check), timed
+# A worker's share (older code: _check_share) or its whole take of chunks (Chunks.check), timed
 # inside whichever process runs it and appended to the log.
 def timed_check(fn):
     def wrapper(*a):
@@ -55,12 +49,29 @@ def timed_check(fn):
         return out
     return wrapper
 
-if hasattr(fmt, "_Chunks"):
-    fmt._Chunks.check = timed_check(fmt._Chunks.check)
-else:
-    fmt._check_share = timed_check(fmt._check_share)
+if layout == "hsx":  # the core package: each phase wrapped where verify_output's modules call it
+    from hsx.verify import output, quick, quick_split, quick_worker
+    verify_output = output.verify_output
+    for mod, name in ((output, "read_index_lines"), (quick, "index_rows"), (quick, "list_buckets"),
+                      (quick_split, "split_by_size"), (quick_split, "fork_map"), (quick, "merge_quick"),
+                      (quick, "reap"), (output, "finish"), (output, "read_manifest_dict")):
+        setattr(mod, name, timed(name, getattr(mod, name)))
+    quick_worker.QuickWorker.list = timed("list", quick_worker.QuickWorker.list)
+    quick_split.Chunks.check = timed_check(quick_split.Chunks.check)
+else:  # an older checkout: one format module (extraction/shards/format.py)
+    from extraction.shards import format as fmt
+    verify_output = fmt.verify_output
+    for name in ("_read_index_lines", "_index_rows", "_scan_top", "_split_by_size", "_fork_map",
+                 "_merge_quick", "_reap", "_finish", "read_manifest_dict"):
+        setattr(fmt, name, timed(name, getattr(fmt, name)))
+    fmt._QuickWorker.list = timed("list", fmt._QuickWorker.list)
+    if hasattr(fmt, "_Chunks"):
+        fmt._Chunks.check = timed_check(fmt._Chunks.check)
+    else:
+        fmt._check_share = timed_check(fmt._check_share)
+assert "torch" not in sys.modules
 s = time.perf_counter()
-r = fmt.verify_output(root, "quick", workers=workers)
+r = verify_output(root, "quick", workers=workers)
 t["total"] = (time.perf_counter() - s) * 1e3
 t["t0"] = s
 assert r.exit_code == 0 and r.ok == r.checked, r.to_dict()
@@ -69,11 +80,13 @@ print(json.dumps(t))
 
 
 def one_run(root: Path, workers: int, code_dir: str) -> dict[str, float]:
+    core = os.path.join(code_dir, "module_utils")  # the core package hsx, where there is one
+    layout = "hsx" if os.path.isdir(os.path.join(core, "hsx")) else "format"
     with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as log:
         got = subprocess.run(
-            [sys.executable, "-c", _PROFILED, str(root), str(workers), log.name],
+            [sys.executable, "-c", _PROFILED, str(root), str(workers), log.name, layout],
             check=True, capture_output=True, text=True, cwd="/",
-            env={**os.environ, "PYTHONPATH": code_dir},
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([core, code_dir])},
         )  # fmt: skip
         t = json.loads(got.stdout)
         shares = [json.loads(line) for line in log.read().splitlines() if line.strip()]
@@ -93,7 +106,9 @@ def main() -> None:
     ap.add_argument("--workers", default="1,2,8")
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument(
-        "--code", default=None, help="folder holding the `extraction` to profile (default: this one)"
+        "--code",
+        default=None,
+        help="checkout to profile (extraction/ and module_utils/hsx, or an older format.py; default: this one)",
     )
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()

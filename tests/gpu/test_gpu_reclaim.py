@@ -43,7 +43,10 @@ time.sleep(3600)
 
 
 def load_module():
-    """library/gpu_processes.py as a plain Python module (it imports without Ansible)."""
+    """library/gpu_processes.py as a plain Python module (it imports without Ansible; its /proc
+    helpers then come from the hsx package: this checkout's module_utils/hsx)."""
+    if str(ROOT / "module_utils") not in sys.path:
+        sys.path.insert(0, str(ROOT / "module_utils"))
     spec = importlib.util.spec_from_file_location("gpu_processes", ROOT / "library" / "gpu_processes.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["gpu_processes"] = mod

@@ -23,10 +23,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from extraction.backends.base import Sample  # noqa: E402
 from extraction.backends.hf import HFBackend  # noqa: E402
 from extraction.config import build_config  # noqa: E402
-from extraction.runner import EXIT_OK, Runner  # noqa: E402
-from extraction.shards import format as fmt  # noqa: E402
+from extraction.runner import Runner  # noqa: E402
 from extraction.shards.verify import verify_output  # noqa: E402
 from extraction.tiny import build_tiny_model, write_tiny_dataset  # noqa: E402
+from hsx.exitcodes import EXIT_OK  # noqa: E402
+from hsx.index import load_index  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -104,24 +105,23 @@ def test_runner_on_cuda_parallel_writers_same_shards(
         batch_size=8,
         progress="off",
     )
-    monkeypatch.setattr("extraction.runner.WRITER_THREADS", 1)
-    monkeypatch.setenv("HSX_WRITER", "thread")
     ref = tmp_path / "ref"
     r = Runner(
-        build_config({**kw, "output": str(ref)}),
+        build_config({**kw, "output": str(ref), "publisher": "thread"}),
         backend_factory=lambda c, ids: _Blocking(HFBackend(c.model, ids, dtype=c.dtype, device=c.device)),
         log=lambda _m: None,
+        writer_threads=1,
     )
     assert r.run() == EXIT_OK
-    monkeypatch.setattr("extraction.runner.WRITER_THREADS", 4)
-    monkeypatch.setenv("HSX_WRITER", writer)
     out = tmp_path / "out"
     logs: list[str] = []
-    r = Runner(build_config({**kw, "output": str(out)}), log=logs.append)
+    r = Runner(
+        build_config({**kw, "output": str(out), "publisher": writer}), log=logs.append, writer_threads=4
+    )
     assert r.run() == EXIT_OK
     # the writer process's buffer was pinned, and the states copied into it directly
     assert ("pin_s" in r.timings) == (writer == "process"), logs
-    want, got = fmt.load_index(str(ref)), fmt.load_index(str(out))
+    want, got = load_index(str(ref)), load_index(str(out))
     assert set(want) == set(got) and len(got) == 60
     for sid, entry in want.items():
         a = torch.load(ref / entry.path, weights_only=True)

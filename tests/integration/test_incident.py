@@ -18,7 +18,7 @@ import torch
 from labctl import REPO, lab, lab_fetch, lab_ssh, playbook
 from labctl import host as lab_host
 
-from extraction.shards import load_index
+from hsx.index import load_index
 
 GOOD = [lab_host(1), lab_host(2), lab_host(3)]
 BROKEN = lab_host(4)

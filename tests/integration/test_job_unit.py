@@ -10,6 +10,8 @@ import time
 import pytest
 from labctl import host, lab, lab_ssh, playbook
 
+from hsx.exitcodes import EXIT_PAUSED
+
 HOST = host(1)
 FAST_RESTART = ["-e", "extraction_job_restart_sec=2", "-e", "extraction_job_wait_for_progress=false"]
 
@@ -81,7 +83,7 @@ def test_job_paused_for_disk_stays_stopped_and_says_why(deployed):
              120, "the paused job to stop")
     time.sleep(5)  # longer than RestartSec: a restart would have happened by now
     exit_status = lab_ssh(HOST, "systemctl show -p ExecMainStatus --value hsx-extraction").stdout.strip()
-    assert exit_status == "75", exit_status
+    assert exit_status == str(EXIT_PAUSED), exit_status
     journal = lab_ssh(HOST, "systemctl status hsx-extraction --no-pager -n 20").stdout
     assert "PAUSED (exit 75: disk low). Needs a person" in journal, journal
     assert lab_ssh(HOST, "systemctl is-active hsx-extraction").stdout.strip() != "active"

@@ -7,7 +7,7 @@ that breaks the model breaks the server). Then, in order: --check (the plan, not
 normal rollout v2 -> v3; a v4 whose canary fails (no other host touched); a v4 that fails on the
 second batch's host (reverted to v3; the canary keeps v4; the rest untouched).
 
-New versions are revisions of the project's patch (extraction/sglang/patchdef.py, imported) whose
+New versions are revisions of the project's patch (module_utils/hsx/sglang_patch.py, imported) whose
 init block fails on hosts holding /etc/hsx-test/fail-v<N> - a deliberately broken version there.
 """
 
@@ -21,7 +21,7 @@ import pytest
 from labctl import host as lab_host
 from labctl import lab, lab_ssh, playbook
 
-from extraction.sglang.patchdef import SGLANG_DUMP_PATCH
+from hsx.sglang_patch import SGLANG_DUMP_PATCH
 
 HOSTS = [lab_host(i) for i in range(1, 5)]
 LAB_VARS = "@tests/plays/files/sglang_lab.yml"

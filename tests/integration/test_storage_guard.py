@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from labctl import host, lab, lab_push, lab_ssh, playbook
 
-from extraction.shards.format import INDEX_NAME, encode_index_line
-from extraction.status import now_iso, write_json_atomic
+from hsx.index import encode_index_line
+from hsx.layout import INDEX_NAME
+from hsx.status import now_iso, write_json_atomic
 
 
 @pytest.fixture

@@ -13,7 +13,9 @@ ForwardBatch-like objects, exactly at the point the patched model would:
   extend_prefix_lens_cpu filled in as SGLang does;
 - each request's states come from the tiny model run in transformers (one unpadded forward per
   request, through extraction/backends/hf.py), captured layers in the hook's list form;
-- the reply carries one greedy token id, as a max_new_tokens=1 generate would.
+- the reply carries one greedy token id, as a max_new_tokens=1 generate would; as in SGLang it
+  leaves when the request's last pass has run, not when the hook's writer thread has written its
+  dump (the client waits for the dump's files).
 
 With --sglang-package DIR (an installed SGLang package, patched by sglang_patch) it runs what that
 install holds instead of importing the hook from the project: the patch blocks found between our
@@ -48,10 +50,12 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+_ROOT = Path(__file__).resolve().parents[2]  # a checkout (on a host: the installed wheel)
+sys.path[:0] = [str(_ROOT), str(_ROOT / "module_utils")]
 
 from extraction.backends.base import Sample  # noqa: E402
-from extraction.sglang import hook, patchdef  # noqa: E402
+from extraction.sglang import hook  # noqa: E402
+from hsx import sglang_patch  # noqa: E402
 
 _BEGIN = re.compile(r"^([ \t]*)# >>> hsx-patch (\S+) block=(\S+) v=(\S+) ")
 _END = re.compile(r"^[ \t]*# <<< hsx-patch (\S+) block=(\S+) <<<")
@@ -62,7 +66,7 @@ def load_patched_install(package: str) -> tuple[dict[str, object], dict[str, str
 
     Makes `sglang.hsx_dump_hook` the hook module deployed in the install (a bare `sglang` package
     object stands in for the real one, whose import needs a GPU stack)."""
-    target = os.path.join(package, patchdef.TARGET)
+    target = os.path.join(package, sglang_patch.TARGET)
     with open(target, encoding="utf-8") as f:
         text = f.read()
     ast.parse(text, target)  # a file that does not parse would not import in SGLang either
@@ -72,7 +76,7 @@ def load_patched_install(package: str) -> tuple[dict[str, object], dict[str, str
     i = 0
     while i < len(lines):
         m = _BEGIN.match(lines[i])
-        if m and m.group(2) == patchdef.PATCH_ID:
+        if m and m.group(2) == sglang_patch.PATCH_ID:
             indent, name = len(m.group(1)), m.group(3)
             versions.add(m.group(4))
             body = []
@@ -85,13 +89,13 @@ def load_patched_install(package: str) -> tuple[dict[str, object], dict[str, str
     pkg = type(sys)("sglang")
     pkg.__path__ = [package]
     sys.modules["sglang"] = pkg
-    hook_path = os.path.join(package, patchdef.HOOK_FILENAME)
+    hook_path = os.path.join(package, sglang_patch.HOOK_FILENAME)
     if os.path.exists(hook_path):
-        spec = importlib.util.spec_from_file_location(patchdef.HOOK_MODULE, hook_path)
+        spec = importlib.util.spec_from_file_location(sglang_patch.HOOK_MODULE, hook_path)
         module = importlib.util.module_from_spec(spec)
-        sys.modules[patchdef.HOOK_MODULE] = module
+        sys.modules[sglang_patch.HOOK_MODULE] = module
         spec.loader.exec_module(module)
-    info = {"id": patchdef.PATCH_ID, "version": ",".join(sorted(versions)) or "none", "file": target}
+    info = {"id": sglang_patch.PATCH_ID, "version": ",".join(sorted(versions)) or "none", "file": target}
     return blocks, info
 
 
@@ -134,7 +138,7 @@ class StandInServer:
             config=SimpleNamespace(num_hidden_layers=self.hf.num_layers), layers_to_capture=[]
         )
         self.patch_blocks: dict[str, object] = {}
-        self.patch_info: dict[str, str] = {"id": patchdef.PATCH_ID, "version": "project hook (no install)"}
+        self.patch_info: dict[str, str] = {"id": sglang_patch.PATCH_ID, "version": "project hook (no install)"}
         if sglang_package:
             self.patch_blocks, self.patch_info = load_patched_install(sglang_package)
             if "init" in self.patch_blocks:  # DeepseekV2Model.__init__ runs it; an error fails the load
@@ -286,6 +290,9 @@ class StandInServer:
         self.httpd.server_close()
         for t in self._threads:
             t.join(timeout=10)
+        dump = getattr(self.model, "_hsx_dump", None)
+        if hasattr(dump, "flush"):  # the hook writes from its own thread: let it finish
+            dump.flush(30)
 
     @property
     def url(self) -> str:

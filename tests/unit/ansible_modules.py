@@ -1,5 +1,6 @@
-"""Load our Ansible modules in unit tests the way Ansible ships them to a host: every file in
-module_utils/ importable as ansible.module_utils.<name>, then library/<module>.py."""
+"""Load our Ansible modules in unit tests the way Ansible ships them to a host: the core package
+module_utils/hsx importable as ansible.module_utils.hsx (its own copy, not the installed `hsx`),
+then library/<module>.py."""
 
 from __future__ import annotations
 
@@ -12,14 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def register_module_utils() -> None:
-    for path in sorted((ROOT / "module_utils").glob("*.py")):
-        name = f"ansible.module_utils.{path.stem}"
-        if name in sys.modules:
-            continue
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+    """module_utils/ as a folder of ansible.module_utils, so `ansible.module_utils.hsx.<module>`
+    imports module_utils/hsx/<module>.py (relative imports inside it resolve there too)."""
+    import ansible.module_utils
+
+    path = str(ROOT / "module_utils")
+    if path not in ansible.module_utils.__path__:
+        ansible.module_utils.__path__.append(path)
 
 
 def load_module(name: str) -> ModuleType:

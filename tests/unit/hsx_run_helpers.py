@@ -11,8 +11,10 @@ import torch
 from extraction.backends.hf import HFBackend
 from extraction.config import ExtractConfig, build_config
 from extraction.runner import Runner
-from extraction.shards import format as fmt
 from extraction.shards.verify import verify_output
+from hsx.fsutil import find_orphan_temps
+from hsx.index import load_index
+from hsx.verify.scan import scan_shards
 
 LAYERS = "1,3,4"
 
@@ -54,9 +56,13 @@ def make_cfg(model: Path, dataset: Path, output: Path, **kw: Any) -> ExtractConf
     return build_config(base)
 
 
-def run(cfg: ExtractConfig, backend: SharedBackend | None = None, logs: list[str] | None = None) -> int:
+def run(
+    cfg: ExtractConfig, backend: SharedBackend | None = None, logs: list[str] | None = None, **runner_kw: Any
+) -> int:
+    """Runner(cfg).run() with `backend` (else the real one), its log lines into `logs`, and the
+    Runner's variant arguments (writer_threads, tokenizer_process)."""
     factory = (lambda _cfg, _ids: backend) if backend is not None else None
-    kwargs: dict[str, Any] = {"log": (logs.append if logs is not None else (lambda _m: None))}
+    kwargs: dict[str, Any] = {"log": (logs.append if logs is not None else (lambda _m: None)), **runner_kw}
     if factory is not None:
         kwargs["backend_factory"] = factory
     return Runner(cfg, **kwargs).run()
@@ -65,7 +71,7 @@ def run(cfg: ExtractConfig, backend: SharedBackend | None = None, logs: list[str
 def load_shards(output: Path) -> dict[str, dict[str, torch.Tensor]]:
     """sample id -> tensors of every indexed shard."""
     out = {}
-    for sid, entry in fmt.load_index(str(output)).items():
+    for sid, entry in load_index(str(output)).items():
         out[sid] = torch.load(output / entry.path, weights_only=True)
     return out
 
@@ -82,11 +88,11 @@ def assert_same_shards(output: Path, want: dict[str, dict[str, torch.Tensor]]) -
 
 def assert_complete(output: Path, ids: set[str]) -> None:
     """Every sample exactly once: indexed, one file each, deep-verified, no temps or strays."""
-    index = fmt.load_index(str(output))
+    index = load_index(str(output))
     assert set(index) == ids
-    files = fmt.scan_shards(str(output))
+    files = scan_shards(str(output))
     assert sorted(files) == sorted(e.path for e in index.values())
-    assert fmt.find_orphan_temps(str(output)) == []
+    assert find_orphan_temps(str(output)) == []
     report = verify_output(str(output), "deep")
     assert (report.ok, report.bad, report.missing, report.unindexed) == (len(ids), [], [], []), (
         report.to_dict()

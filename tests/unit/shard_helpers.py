@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from extraction.shards import RunManifest, ShardWriter
-from extraction.shards import format as fmt
+from extraction.shards import ShardWriter
+from hsx.manifest import RunManifest
+from hsx.verify.check import Expect
 
 H, K, VOCAB = 8, 3, 100
 
@@ -88,8 +89,8 @@ def flip(path: Path, offset: int, mask: int = 0x01) -> None:
     path.write_bytes(bytes(data))
 
 
-def expect() -> fmt.Expect:
-    return fmt.Expect(hidden_size=H, num_aux=K, dtype="bfloat16", vocab_size=VOCAB)
+def expect() -> Expect:
+    return Expect(hidden_size=H, num_aux=K, dtype="bfloat16", vocab_size=VOCAB)
 
 
 def tree(root: Path) -> list[str]:

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from extraction import __version__
-from extraction.cli import EXIT_USAGE, build_parser, main
+from extraction.cli import build_parser, main
+from hsx.exitcodes import EXIT_USAGE
 
 
 def test_version_is_printed(capsys):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from extraction.shards import format as fmt
+import hsx.cores
+from hsx.cores import cgroup_cpu_limit
 
 V2 = "41 31 0:38 {root} {point} rw,relatime - cgroup2 cgroup2 rw\n"
 V1_CPU = "32 31 0:29 {root} {point} rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
@@ -73,15 +75,15 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_cgroup_cpu_limit(tmp_path, case) -> None:
     proc, mounts, files, want = CASES[case]
-    assert fmt.cgroup_cpu_limit(*_tree(tmp_path, proc, mounts, files)) == want
+    assert cgroup_cpu_limit(*_tree(tmp_path, proc, mounts, files)) == want
 
 
 def test_no_cgroup_file_means_no_limit(tmp_path) -> None:
-    assert fmt.cgroup_cpu_limit(str(tmp_path / "absent"), str(tmp_path / "absent")) is None
+    assert cgroup_cpu_limit(str(tmp_path / "absent"), str(tmp_path / "absent")) is None
 
 
 @pytest.mark.parametrize(("limit", "want"), [(None, 16), (2.5, 3), (2.0, 2), (0.2, 1), (64.0, 16)])
 def test_usable_cores_is_the_affinity_capped_by_the_quota(monkeypatch, limit, want) -> None:
-    monkeypatch.setattr(fmt.os, "sched_getaffinity", lambda _pid: set(range(16)))
-    monkeypatch.setattr(fmt, "cgroup_cpu_limit", lambda: limit)
-    assert fmt.usable_cores() == want
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    monkeypatch.setattr(hsx.cores, "cgroup_cpu_limit", lambda: limit)
+    assert hsx.cores.usable_cores() == want

@@ -30,9 +30,12 @@ from hsx_run_helpers import (
 from extraction import writerproc
 from extraction.backends.hf import HFBackend
 from extraction.dataset import scan_dataset
-from extraction.shards import format as fmt
-from extraction.status import read_status
 from extraction.tiny import write_tiny_dataset
+from hsx.exitcodes import EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
+from hsx.index import load_index
+from hsx.layout import SHARD_KEYS
+from hsx.status import read_status
+from hsx.verify.scan import scan_shards
 
 N = 12
 TRIALS = 10
@@ -43,10 +46,9 @@ def _child(
     cfg_kw: dict, backend: SharedBackend, inject: tuple[str, int] | None, writer: str = "process"
 ) -> None:
     torch.set_num_threads(1)  # also required after fork: the parent's OpenMP pool is gone
-    os.environ["HSX_WRITER"] = writer
     if inject is not None:
         _arm(*inject, writer)
-    os._exit(run(make_cfg(**cfg_kw), backend))
+    os._exit(run(make_cfg(**cfg_kw, publisher=writer), backend))
 
 
 def _arm(call: str, at: int, writer: str) -> None:
@@ -97,7 +99,7 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     t0 = time.monotonic()
     p = _start({**kw, "output": ref}, backend)
     p.join(120)
-    assert p.exitcode == 0
+    assert p.exitcode == EXIT_OK
     return kw, backend, ref, time.monotonic() - t0, {e.sample_id for e in scan_dataset(ds).entries}
 
 
@@ -122,20 +124,20 @@ def test_kill_9_at_random_points_then_resume(setup, tmp_path: Path) -> None:
                 # A random moment of the write phase: after k samples are indexed, plus a jitter.
                 p = _start(cfg_kw, backend, writer=writer)
                 k = rng.randint(0, N - 2)
-                while len(fmt.load_index(str(out))) <= k and p.is_alive():
+                while len(load_index(str(out))) <= k and p.is_alive():
                     time.sleep(0.002)
                 time.sleep(rng.uniform(0, 0.03))
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(120)
             killed += p.exitcode == -signal.SIGKILL
-            print(f"trial {trial} ({writer}): exit {p.exitcode}, {len(fmt.load_index(str(out)))} indexed")
+            print(f"trial {trial} ({writer}): exit {p.exitcode}, {len(load_index(str(out)))} indexed")
         p = _start(cfg_kw, backend)
         p.join(120)
-        assert p.exitcode == 0, f"trial {trial}: resume exited {p.exitcode}"
+        assert p.exitcode == EXIT_OK, f"trial {trial}: resume exited {p.exitcode}"
         assert_complete(out, ids)
         got = load_shards(out)
         for sid in ids:
-            for key in fmt.SHARD_KEYS:
+            for key in SHARD_KEYS:
                 assert torch.equal(got[sid][key], reference[sid][key]), (trial, sid, key)
         if trial < TRIALS - 1:
             shutil.rmtree(out)
@@ -158,16 +160,17 @@ def _slow_tokenizer() -> None:
 def _slow_child(cfg_kw: dict, backend: SharedBackend) -> None:
     """A run whose tokenizer process is still at work when its first shards are indexed:
     windows of 4 samples, each taking the tokenizer 1.2 s."""
-    from extraction import runner
+    from extraction.runner import plan
 
     _slow_tokenizer()
-    runner.WINDOW_BATCHES = 4
+    plan.WINDOW_BATCHES = 4
     _child(cfg_kw, backend, None)
 
 
 @pytest.mark.parametrize("group", [False, True], ids=["runner", "whole-group"])
 @pytest.mark.parametrize(
-    ("sig", "code", "state"), [(signal.SIGTERM, 143, "interrupted"), (signal.SIGINT, 130, "interrupted")]
+    ("sig", "code", "state"),
+    [(signal.SIGTERM, EXIT_SIGTERM, "interrupted"), (signal.SIGINT, EXIT_SIGINT, "interrupted")],
 )
 def test_signal_stops_cleanly(setup, tmp_path: Path, sig, code, state, group) -> None:
     """The signal to the runner alone, or first to its tokenizer process and then to it, as
@@ -179,7 +182,7 @@ def test_signal_stops_cleanly(setup, tmp_path: Path, sig, code, state, group) ->
     if group:
         p.start()
     deadline = time.monotonic() + 60
-    while not fmt.load_index(str(out)) and time.monotonic() < deadline:
+    while not load_index(str(out)) and time.monotonic() < deadline:
         time.sleep(0.01)
     if group:
         children = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
@@ -191,10 +194,10 @@ def test_signal_stops_cleanly(setup, tmp_path: Path, sig, code, state, group) ->
     p.join(60)
     assert p.exitcode == code
     assert read_status(str(out))["state"] == state
-    index = fmt.load_index(str(out))
+    index = load_index(str(out))
     assert 0 < len(index) < N
-    assert sorted(fmt.scan_shards(str(out))) == sorted(e.path for e in index.values())
+    assert sorted(scan_shards(str(out))) == sorted(e.path for e in index.values())
     p = _start({**kw, "output": out, "batch_size": 1}, backend)
     p.join(120)
-    assert p.exitcode == 0
+    assert p.exitcode == EXIT_OK
     assert_complete(out, ids)

@@ -17,10 +17,12 @@ from hsx_run_helpers import (
 
 from extraction.backends.hf import HFBackend
 from extraction.dataset import scan_dataset
-from extraction.runner import EXIT_OK, EXIT_PAUSED
-from extraction.shards import format as fmt
-from extraction.status import read_status
 from extraction.tiny import write_tiny_dataset
+from hsx.exitcodes import EXIT_OK, EXIT_PAUSED
+from hsx.fsutil import find_orphan_temps
+from hsx.index import load_index
+from hsx.status import read_status
+from hsx.verify.scan import scan_shards
 
 N = 16  # ~40 KB per shard at 32 tokens, fp32, H=64, k=3
 
@@ -55,9 +57,9 @@ def _grow(mnt: Path, size: str) -> None:
 
 
 def _no_partial(out: Path) -> None:
-    assert fmt.find_orphan_temps(str(out)) == []
-    index = fmt.load_index(str(out))
-    assert sorted(fmt.scan_shards(str(out))) == sorted(e.path for e in index.values())
+    assert find_orphan_temps(str(out)) == []
+    index = load_index(str(out))
+    assert sorted(scan_shards(str(out))) == sorted(e.path for e in index.values())
     from extraction.shards.verify import verify_output
 
     report = verify_output(str(out), "full")
@@ -74,7 +76,7 @@ def test_guard_pauses_before_the_disk_is_full(small_fs: Path, env) -> None:
     assert status["state"] == "paused: disk low"
     assert "free" in status["message"] and "reserve" in status["message"]
     assert status["free_bytes"] > 0 and status["reserve_bytes"] > 0
-    done = len(fmt.load_index(str(out)))
+    done = len(load_index(str(out)))
     assert 0 < done < N
     _no_partial(out)
     _grow(small_fs, "8m")
@@ -95,7 +97,7 @@ def test_enospc_mid_write_leaves_no_partial_shard(small_fs: Path, env, monkeypat
     assert code == EXIT_PAUSED, logs
     assert any("disk full" in m for m in logs), logs
     assert read_status(str(out))["state"] == "paused: disk low"
-    assert 0 < len(fmt.load_index(str(out))) < N
+    assert 0 < len(load_index(str(out))) < N
     _no_partial(out)
     _grow(small_fs, "8m")
     assert run(make_cfg(model, ds, out, max_length=32, batch_size=2, reserve_bytes=0), backend) == EXIT_OK

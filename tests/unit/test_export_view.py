@@ -21,10 +21,13 @@ from extraction import export_links
 from extraction import export_view as ev
 from extraction.backends.hf import HFBackend
 from extraction.cli import main
-from extraction.runner import EXIT_OK
-from extraction.shards import format as fmt
 from extraction.shards.verify import verify_output
 from extraction.tiny import write_tiny_dataset
+from hsx.exitcodes import EXIT_OK
+from hsx.index import load_index
+from hsx.layout import MANIFEST_NAME, QUARANTINE_DIR, SHARD_KEYS
+from hsx.manifest import read_manifest_dict
+from hsx.verify.check import Expect, check_shard
 
 N = 12
 
@@ -107,8 +110,8 @@ def test_every_link_is_a_full_verified_shard_specforge_can_load(finished, tmp_pa
     dest = tmp_path / "view"
     rc, rep = export(capsys, out, dest)
     assert rc == 0 and rep["added"] == N and rep["linked"] == N and rep["left_out_bad"] == 0
-    index = fmt.load_index(str(out))
-    expect = fmt.Expect.from_manifest(fmt.read_manifest_dict(str(out)))
+    index = load_index(str(out))
+    expect = Expect.from_manifest(read_manifest_dict(str(out)))
     m = mapping(dest)
     assert sorted(m) == list(range(N)) and {r["id"] for r in m.values()} == set(index)
     files = walk_like_specforge(dest)
@@ -120,7 +123,7 @@ def test_every_link_is_a_full_verified_shard_specforge_can_load(finished, tmp_pa
         assert os.path.isabs(target) and target == os.path.join(os.path.realpath(out), m[i]["shard"])
         entry = index[m[i]["id"]]
         assert m[i]["shard"] == entry.path and m[i]["output"] == os.path.realpath(out)
-        fmt.check_shard(target, expect, "full", entry)  # raises ShardBad on any damage
+        check_shard(target, expect, "full", entry)  # raises ShardBad on any damage
         data = torch.load(f, mmap=True, weights_only=True)
         assert set(data) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
         # SpecForge's OfflineEagle3Dataset.process_data, including its in-place write into the
@@ -186,7 +189,7 @@ def test_quarantined_shard_is_never_linked(finished, tmp_path, capsys, mode) -> 
         real = os.path.realpath(f) if mode == "symlink" else None
         assert real is None or "/shards/" in real
     if mode == "hardlink":  # no link keeps the damaged inode alive
-        quarantined = next((out / fmt.QUARANTINE_DIR).rglob("*.pt"))
+        quarantined = next((out / QUARANTINE_DIR).rglob("*.pt"))
         assert os.stat(quarantined).st_nlink == 1
 
     fresh = tmp_path / "fresh"
@@ -222,7 +225,7 @@ def test_hardlinks_on_the_same_filesystem(finished, tmp_path, capsys) -> None:
         link_st, shard_st = os.lstat(dest / rel), os.stat(out / m[i]["shard"])
         assert not os.path.islink(dest / rel)
         assert (link_st.st_ino, link_st.st_nlink) == (shard_st.st_ino, 2)
-    assert set(torch.load(dest / links(dest)[0], mmap=True, weights_only=True)) == set(fmt.SHARD_KEYS)
+    assert set(torch.load(dest / links(dest)[0], mmap=True, weights_only=True)) == set(SHARD_KEYS)
     rc, rep = export(capsys, out, dest)  # the view remembers its mode
     assert rc == 0 and (rep["added"], rep["relinked"], rep["link"]) == (0, 0, "hardlink")
     assert export(capsys, out, dest, "--link", "symlink")[0] == 2
@@ -259,7 +262,7 @@ def test_two_outputs_into_one_view(nodes, tmp_path, capsys) -> None:
     rc, rep = export(capsys, *nodes, dest)
     assert rc == 0 and rep["linked"] == N
     m = mapping(dest)
-    by_output = {str(os.path.realpath(o)): set(fmt.load_index(str(o))) for o in nodes}
+    by_output = {str(os.path.realpath(o)): set(load_index(str(o))) for o in nodes}
     assert all(len(ids) > 0 for ids in by_output.values())
     assert {r["id"] for r in m.values() if r["output"] == str(os.path.realpath(nodes[1]))} == by_output[
         str(os.path.realpath(nodes[1]))
@@ -270,9 +273,9 @@ def test_two_outputs_into_one_view(nodes, tmp_path, capsys) -> None:
     assert rc == 0 and (rep["added"], rep["repointed"], rep["relinked"]) == (0, 0, 0) and mapping(dest) == m
 
     other = copy(nodes[0], tmp_path, "other-run")
-    manifest = json.loads((other / fmt.MANIFEST_NAME).read_text())
+    manifest = json.loads((other / MANIFEST_NAME).read_text())
     manifest["layer_ids"] = [1, 2, 4]
-    (other / fmt.MANIFEST_NAME).write_text(json.dumps(manifest))
+    (other / MANIFEST_NAME).write_text(json.dumps(manifest))
     before = sorted(p.name for p in dest.rglob("*"))
     assert export(capsys, other, dest)[0] == 2  # another run never joins this view
     assert export(capsys, nodes[0], other, tmp_path / "mixed")[0] == 2

@@ -12,8 +12,9 @@ import pytest
 from ansible.module_utils.testing import patch_module_args
 from ansible_modules import load_module
 
-from extraction.shards.format import INDEX_NAME, encode_index_line
-from extraction.status import now_iso, write_json_atomic
+from hsx.index import encode_index_line
+from hsx.layout import INDEX_NAME
+from hsx.status import now_iso, write_json_atomic
 
 extraction_status = load_module("extraction_status")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 from pathlib import Path
@@ -15,11 +16,12 @@ from extraction.fleet.fleetstatus import (
     UNREACHABLE,
     HostStatus,
     StatusCollector,
+    _history_from_slurp,
     as_json,
     fleet_total,
     render,
 )
-from extraction.status import StatusReporter
+from hsx.status import StatusReporter
 
 DATA = Path(__file__).parent / "data"
 
@@ -116,3 +118,15 @@ def test_fleet_plot_uses_the_slurped_histories(tmp_path):
     assert any(series.values()), "the recording holds the slurped status.json histories"
     png = plot_history(series, tmp_path / "f.png", "fleet", {h.host: h.result.get("total") for h in hosts})
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"[1, 2]", b"[" * 100_000 + b"]" * 100_000, b'{"history": "x"}', b"\xff\xfe", b'{"history": [["a", 1]]}'],
+    ids=["a-list", "nested-too-deeply", "history-not-a-list", "not-utf8", "history-bad-point"],
+)
+def test_a_slurped_status_that_is_not_a_status_gives_no_history_and_no_crash(raw: bytes) -> None:
+    """status.json is data, not truth: what a host holds may be anything (issue #30)."""
+    assert _history_from_slurp({"content": base64.b64encode(raw).decode()}) == []
+    good = json.dumps({"history": [[1.5, 2]]}).encode()
+    assert _history_from_slurp({"content": base64.b64encode(good).decode()}) == [[1.5, 2]]

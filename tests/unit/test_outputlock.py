@@ -14,9 +14,10 @@ from hsx_run_helpers import SharedBackend, make_cfg, one_thread, run  # noqa: F4
 
 from extraction.backends.hf import HFBackend
 from extraction.outputlock import LOCK_NAME, OutputBusy, OutputLock
-from extraction.runner import EXIT_FAILED, EXIT_OK, EXIT_PAUSED, Runner
-from extraction.shards import format as fmt
+from extraction.runner import Runner
 from extraction.tiny import write_tiny_dataset
+from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_PAUSED
+from hsx.index import load_index
 
 _HOLD = """
 import os, socket, sys, time
@@ -70,7 +71,7 @@ def test_a_second_runner_is_refused_and_touches_nothing(tiny_model_dir, backend,
     proc.kill()
     proc.wait()  # the holder gone (killed: no unlock of its own), the output is free
     assert run(make_cfg(tiny_model_dir, ds, out), backend) == EXIT_OK
-    assert len(fmt.load_index(str(out))) == 4 and not orphan.exists()
+    assert len(load_index(str(out))) == 4 and not orphan.exists()
 
 
 def test_the_lock_is_dropped_after_a_run_and_held_during_it(tiny_model_dir, backend, tmp_path) -> None:

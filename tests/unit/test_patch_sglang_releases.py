@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from extraction import patching
 from extraction.commands import patch as patch_command
-from extraction.sglang import install, patchdef
-from extraction.sglang.versions import SUPPORTED_VERSIONS, UNSUPPORTED_EXAMPLE
+from extraction.sglang import install
+from hsx import patching, sglang_patch
+from hsx.sglang_versions import SUPPORTED_VERSIONS, UNSUPPORTED_EXAMPLE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sglang_wheels  # noqa: E402
 
-V2 = patching.Patch.from_dict(patchdef.SGLANG_DUMP_PATCH)
-V1 = patching.Patch.from_dict(patchdef.SGLANG_DUMP_PATCH_V1)
+V2 = patching.Patch.from_dict(sglang_patch.SGLANG_DUMP_PATCH)
+V1 = patching.Patch.from_dict(sglang_patch.SGLANG_DUMP_PATCH_V1)
 
 
 def _calls_in(tree: ast.Module, cls: str, method: str) -> str:
@@ -79,7 +79,7 @@ def test_every_registry_release_from_the_floor_is_listed():
     if missing is None:
         pytest.skip("package registry unreachable: cannot list sglang releases")
     assert missing == [], (
-        f"new SGLang releases {missing}: test them and add them to extraction/sglang/versions.py"
+        f"new SGLang releases {missing}: test them and add them to module_utils/hsx/sglang_versions.py"
     )
 
 
@@ -109,7 +109,7 @@ def _status(capsys, path) -> tuple[int, dict]:
 
 def test_hsx_patch_status_apply_revert(site, capsys):
     pkg = install.find_package(site)
-    target = pkg / patchdef.TARGET
+    target = pkg / sglang_patch.TARGET
     original = target.read_bytes()
     rc, st = _status(capsys, site)
     assert rc == 1 and st["summary"] == "unpatched" and st["version"] == SUPPORTED_VERSIONS[-1]
@@ -117,27 +117,27 @@ def test_hsx_patch_status_apply_revert(site, capsys):
     assert hsx(["patch", "apply", "--sglang", str(site), "--check", "--diff"]) == 0
     out = capsys.readouterr().out
     assert "would change (hook module deployed)" in out and "+        self._hsx_dump = " in out
-    assert target.read_bytes() == original and not (pkg / patchdef.HOOK_FILENAME).exists()
+    assert target.read_bytes() == original and not (pkg / sglang_patch.HOOK_FILENAME).exists()
 
     assert hsx(["patch", "apply", "--sglang", str(pkg), "--no-backup"]) == 0
     rc, st = _status(capsys, pkg)
     assert rc == 0 and st["summary"] == "patched (v2)" and st["hook"] == "current"
-    assert (pkg / patchdef.HOOK_FILENAME).read_bytes() == install.HOOK_SOURCE.read_bytes()
+    assert (pkg / sglang_patch.HOOK_FILENAME).read_bytes() == install.HOOK_SOURCE.read_bytes()
     assert hsx(["patch", "apply", "--sglang", str(site)]) == 0
     assert "no change" in capsys.readouterr().out
 
-    (pkg / patchdef.HOOK_FILENAME).write_text("# stale\n")
+    (pkg / sglang_patch.HOOK_FILENAME).write_text("# stale\n")
     rc, st = _status(capsys, site)
     assert rc == 1 and st["summary"] == "patched (v2), but the hook module is different"
 
     assert hsx(["patch", "revert", "--sglang", str(site), "--no-backup"]) == 0
-    assert target.read_bytes() == original and not (pkg / patchdef.HOOK_FILENAME).exists()
+    assert target.read_bytes() == original and not (pkg / sglang_patch.HOOK_FILENAME).exists()
     assert list(target.parent.glob("*.hsx-bak")) == []
 
 
 def test_hsx_patch_status_outdated_and_upgrade(site, capsys):
     pkg = install.find_package(site)
-    patching.apply_file(str(pkg / patchdef.TARGET), V1)
+    patching.apply_file(str(pkg / sglang_patch.TARGET), V1)
     rc, st = _status(capsys, site)
     assert rc == 1 and st["status"] == "outdated" and st["found_version"] == "1"
     assert st["summary"].startswith("outdated (holds v1")
@@ -150,7 +150,7 @@ def test_hsx_patch_refuses_unsupported_versions_before_any_change(site, capsys):
     pkg = install.find_package(site)
     (pkg.parent / "sglang-0.5.99.dist-info").mkdir()
     (pkg.parent / "sglang-0.5.99.dist-info" / "METADATA").write_text("Name: sglang\nVersion: 0.5.99\n")
-    before = (pkg / patchdef.TARGET).read_bytes()
+    before = (pkg / sglang_patch.TARGET).read_bytes()
     rc, st = _status(capsys, site)
     assert (
         rc == 1
@@ -158,7 +158,7 @@ def test_hsx_patch_refuses_unsupported_versions_before_any_change(site, capsys):
     )
     assert hsx(["patch", "apply", "--sglang", str(site)]) == 1
     assert "nothing changed (--force to patch anyway)" in capsys.readouterr().err
-    assert (pkg / patchdef.TARGET).read_bytes() == before and not (pkg / patchdef.HOOK_FILENAME).exists()
+    assert (pkg / sglang_patch.TARGET).read_bytes() == before and not (pkg / sglang_patch.HOOK_FILENAME).exists()
 
 
 def test_hsx_patch_refuses_release_without_anchors(tmp_path, capsys):
@@ -167,7 +167,7 @@ def test_hsx_patch_refuses_release_without_anchors(tmp_path, capsys):
     assert rc == 1 and st["summary"].startswith("unsupported (SGLang 0.5.4 is older than 0.5.10")
     assert hsx(["patch", "apply", "--sglang", str(pkg), "--force"]) == 1
     assert "not found" in capsys.readouterr().err
-    assert not (pkg / patchdef.HOOK_FILENAME).exists()
+    assert not (pkg / sglang_patch.HOOK_FILENAME).exists()
 
 
 def test_hsx_patch_bad_path_is_a_usage_error(tmp_path, capsys):

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from extraction import patching
-from extraction.patching import Patch, PatchError, apply_file, examine
+from hsx import patching
+from hsx.patching import Patch, PatchError, apply_file, examine
 
 SOURCE = (
     "class Model:\n"

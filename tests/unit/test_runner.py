@@ -21,27 +21,25 @@ from hsx_run_helpers import (
     run,
 )
 
+import hsx.cores
 from extraction.backends.hf import HFBackend
 from extraction.cli import main
 from extraction.config import ConfigError, build_config
 from extraction.dataset import scan_dataset
-from extraction.runner import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_PAUSED,
-    EXIT_USAGE,
-    QUEUE_BATCHES,
-    TOKENIZE_AHEAD_BYTES,
-    Runner,
-    all_finite,
-    assigned_to,
-    forward_cpu_threads,
-    tokenize_ahead_batches,
-)
-from extraction.shards import format as fmt
+from extraction.publisher import all_finite
+from extraction.runner import Runner
+from extraction.runner.forward import forward_cpu_threads
+from extraction.runner.lifecycle import Lifecycle
+from extraction.runner.plan import QUEUE_BATCHES, assigned_to
+from extraction.runner.produce import TOKENIZE_AHEAD_BYTES, tokenize_ahead_batches
 from extraction.shards.verify import verify_output
-from extraction.status import ERRORS_NAME, read_status
 from extraction.tiny import write_tiny_dataset
+from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_PAUSED, EXIT_USAGE
+from hsx.fsutil import find_orphan_temps
+from hsx.index import load_index
+from hsx.layout import INDEX_NAME, MANIFEST_NAME
+from hsx.status import ERRORS_NAME, read_status
+from hsx.verify.scan import scan_shards
 
 N = 20
 
@@ -72,7 +70,7 @@ def test_run_writes_every_sample_matching_the_model(
     reference: Path, ids: set[str], backend, tiny_model_dir
 ) -> None:
     assert_complete(reference, ids)
-    manifest = json.loads((reference / fmt.MANIFEST_NAME).read_text())
+    manifest = json.loads((reference / MANIFEST_NAME).read_text())
     assert manifest["layer_ids"] == [1, 3, 4] and manifest["layer_convention"] == "sglang"
     assert manifest["dtype"] == "float32" and manifest["hidden_size"] == 64 and manifest["final_normed"]
     assert manifest["dataset_hash"] and manifest["tokenizer_hash"] and manifest["chat_template_hash"]
@@ -117,15 +115,16 @@ def test_async_extract_and_parallel_writers_write_the_same_bits(
     tiny_model_dir, dataset, backend, reference, tmp_path, ids, monkeypatch
 ) -> None:
     """Views of the batch buffer copied by the writer, and 2 writer threads: same shards, bit for bit."""
-    monkeypatch.setattr("extraction.runner.WRITER_THREADS", 2)
     out = tmp_path / "out"
-    assert run(make_cfg(tiny_model_dir, dataset, out), _AsyncShared(backend.inner)) == EXIT_OK
+    assert (
+        run(make_cfg(tiny_model_dir, dataset, out), _AsyncShared(backend.inner), writer_threads=2) == EXIT_OK
+    )
     assert_complete(out, ids)
     got, want = load_shards(out), load_shards(reference)
     for sid, t in want.items():
         for key, value in t.items():
             assert torch.equal(got[sid][key], value), (sid, key)
-    for entry in fmt.load_index(str(out)).values():  # each shard owns its bytes: no batch storage
+    for entry in load_index(str(out)).values():  # each shard owns its bytes: no batch storage
         assert entry.size < entry.num_tokens * (4 * 64 * 4 + 16) + 8192, entry
 
 
@@ -146,16 +145,14 @@ def test_shards_left_when_the_forward_ends_are_published_by_more_threads(
     """The drain: while the forward runs, one writer; the batches still queued when it has ended
     (the tail the run waits for) go to DRAIN_WRITER_THREADS threads at once. (Writer threads:
     the writer process's own are seen in test_writer_process.)"""
-    monkeypatch.setenv("HSX_WRITER", "thread")
-    monkeypatch.setattr("extraction.runner.WRITER_THREADS", 1)
-    monkeypatch.setattr("extraction.runner.DRAIN_WRITER_THREADS", 4)
-    monkeypatch.setattr(fmt, "usable_cores", lambda: 4)
+    monkeypatch.setattr("extraction.publisher.DRAIN_WRITER_THREADS", 4)
+    monkeypatch.setattr(hsx.cores, "usable_cores", lambda: 4)
     from extraction.shards.writer import ShardWriter
 
     seen: list[tuple[bool, str]] = []
     write = ShardWriter.write
-    cfg = make_cfg(tiny_model_dir, dataset, tmp_path / "out", batch_size=2)
-    runner = Runner(cfg, lambda _c, _i: _SlowCopy(backend.inner))
+    cfg = make_cfg(tiny_model_dir, dataset, tmp_path / "out", batch_size=2, publisher="thread")
+    runner = Runner(cfg, lambda _c, _i: _SlowCopy(backend.inner), writer_threads=1)
 
     def recording(self, *a, **k):
         seen.append((runner.forward_done.is_set(), __import__("threading").current_thread().name))
@@ -180,9 +177,7 @@ def test_a_batch_is_indexed_with_one_write_and_a_full_disk_then_takes_the_whole_
     file left), the run pauses (75), and the next run redoes them: same shards, bit for bit."""
     from extraction.shards import writer as writer_mod
 
-    monkeypatch.setenv("HSX_WRITER", writer)
-    monkeypatch.setattr("extraction.runner.WRITER_THREADS", 2)
-    real = writer_mod.fmt.write_index_bytes
+    real = writer_mod.write_index_bytes
     log = tmp_path / "index-writes"  # a file: the writer process's calls are seen here too
 
     def counting(fd, data, fsync=True):
@@ -192,17 +187,17 @@ def test_a_batch_is_indexed_with_one_write_and_a_full_disk_then_takes_the_whole_
             raise OSError(28, "No space left on device")
         return real(fd, data, fsync)
 
-    monkeypatch.setattr(writer_mod.fmt, "write_index_bytes", counting)
+    monkeypatch.setattr(writer_mod, "write_index_bytes", counting)
     out = tmp_path / "out"
-    cfg = make_cfg(tiny_model_dir, dataset, out)  # batches of 4
-    assert run(cfg, _AsyncShared(backend.inner)) == EXIT_PAUSED
+    cfg = make_cfg(tiny_model_dir, dataset, out, publisher=writer)  # batches of 4
+    assert run(cfg, _AsyncShared(backend.inner), writer_threads=2) == EXIT_PAUSED
     assert log.read_text().split() == ["4", "4", "4"]
-    index = fmt.load_index(str(out))
+    index = load_index(str(out))
     assert len(index) == 8
     on_disk = {p.name for p in (out / "shards").rglob("*.pt")}
     assert on_disk == {os.path.basename(e.path) for e in index.values()}  # the third batch taken back
-    monkeypatch.setattr(writer_mod.fmt, "write_index_bytes", real)
-    assert run(cfg, _AsyncShared(backend.inner)) == EXIT_OK
+    monkeypatch.setattr(writer_mod, "write_index_bytes", real)
+    assert run(cfg, _AsyncShared(backend.inner), writer_threads=2) == EXIT_OK
     assert_complete(out, ids)
     got, want = load_shards(out), load_shards(reference)
     assert all(torch.equal(got[sid][k], v) for sid, t in want.items() for k, v in t.items())
@@ -215,7 +210,7 @@ def test_resume_skips_done_and_redoes_a_damaged_shard(
 
     out = tmp_path / "out"
     shutil.copytree(reference, out)
-    index = fmt.load_index(str(out))
+    index = load_index(str(out))
     victim = sorted(index)[3]
     path = out / index[victim].path
     path.write_bytes(path.read_bytes()[:100])  # truncated by a crash, still indexed
@@ -243,7 +238,7 @@ def test_resume_into_other_run_refused(
     tiny_model_dir, dataset, backend, reference, tmp_path, change, says, capsys
 ) -> None:
     before = sorted(p.name for p in reference.rglob("*"))
-    index_before = (reference / fmt.INDEX_NAME).read_bytes()
+    index_before = (reference / INDEX_NAME).read_bytes()
     kw = dict(change)
     if kw.get("dataset") == "other":
         kw["dataset"] = str(write_tiny_dataset(tmp_path / "d.jsonl", N, seed=8))
@@ -256,7 +251,7 @@ def test_resume_into_other_run_refused(
     assert any("refusing" in m or "different run" in m for m in logs), logs
     assert any(says in m for m in logs), logs
     assert sorted(p.name for p in reference.rglob("*")) == before
-    assert (reference / fmt.INDEX_NAME).read_bytes() == index_before
+    assert (reference / INDEX_NAME).read_bytes() == index_before
 
 
 def test_malformed_rows_logged_run_goes_on(tiny_model_dir, backend, tmp_path) -> None:
@@ -268,7 +263,7 @@ def test_malformed_rows_logged_run_goes_on(tiny_model_dir, backend, tmp_path) ->
     errors = [json.loads(x) for x in (out / ERRORS_NAME).read_text().splitlines()]
     assert [(e["kind"], e["line"]) for e in errors] == [("row", 2), ("row", 4)]
     assert "invalid JSON" in errors[0]["reason"] and "non-empty list" in errors[1]["reason"]
-    assert len(fmt.load_index(str(out))) == 5
+    assert len(load_index(str(out))) == 5
     assert read_status(str(out))["row_errors"] == 2
 
 
@@ -296,7 +291,7 @@ def test_poison_sample_logged_others_written(tiny_model_dir, dataset, backend, t
     finally:
         backend.fail = None
     assert code == EXIT_FAILED  # finished, but one sample is missing
-    assert set(fmt.load_index(str(tmp_path / "out"))) == ids - {poison}
+    assert set(load_index(str(tmp_path / "out"))) == ids - {poison}
     (err,) = [json.loads(x) for x in (tmp_path / "out" / ERRORS_NAME).read_text().splitlines()]
     assert err["sample_id"] == poison and err["attempts"] == 2 and "injected" in err["reason"]
     status = read_status(str(tmp_path / "out"))
@@ -330,7 +325,7 @@ def test_nan_sample_not_written(tiny_model_dir, dataset, backend, tmp_path, ids,
     assert (
         run(make_cfg(tiny_model_dir, dataset, out), _NaNBackend(backend.inner, victim, flag)) == EXIT_FAILED
     )
-    assert set(fmt.load_index(str(out))) == ids - {victim}
+    assert set(load_index(str(out))) == ids - {victim}
     (err,) = [json.loads(x) for x in (out / ERRORS_NAME).read_text().splitlines()]
     assert (
         err["sample_id"] == victim and "NaN or Inf" in err["reason"] and "aux_hidden_state" in err["reason"]
@@ -375,10 +370,10 @@ def test_an_unexpected_error_writing_one_shard_fails_that_sample_only(
     monkeypatch.setattr(ShardWriter, "write", write)
     out = tmp_path / "o"
     assert _run_unless_hung(make_cfg(tiny_model_dir, dataset, out), backend) == EXIT_FAILED
-    assert set(fmt.load_index(str(out))) == ids - {victim}
+    assert set(load_index(str(out))) == ids - {victim}
     (err,) = [json.loads(x) for x in (out / ERRORS_NAME).read_text().splitlines()]
     assert err["sample_id"] == victim and err["reason"] == "write failed: TypeError: boom"
-    assert fmt.find_orphan_temps(str(out)) == []
+    assert find_orphan_temps(str(out)) == []
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
@@ -387,17 +382,17 @@ def test_a_writer_bug_ends_the_run_instead_of_hanging_it(
 ) -> None:
     """The forward thread blocks on a full queue when nobody empties it: a writer that died of an
     unexpected error must still empty it, and the run end as failed, saying why."""
-    monkeypatch.setenv("HSX_WRITER", writer)
 
     def broken(self, work, outcome):
         raise RuntimeError("bug in the bookkeeping")
 
-    monkeypatch.setattr(Runner, "_apply", broken)
+    monkeypatch.setattr(Lifecycle, "apply", broken)
     logs: list[str] = []
-    cfg = make_cfg(tiny_model_dir, dataset, tmp_path / "o", batch_size=1)  # more batches than the queue holds
+    # more batches than the queue holds
+    cfg = make_cfg(tiny_model_dir, dataset, tmp_path / "o", batch_size=1, publisher=writer)
     assert _run_unless_hung(cfg, backend, logs) == EXIT_FAILED
     assert "the writer failed: RuntimeError: bug in the bookkeeping" in "\n".join(logs)
-    index = fmt.load_index(str(tmp_path / "o"))  # indexed before the bookkeeping failed: done
+    index = load_index(str(tmp_path / "o"))  # indexed before the bookkeeping failed: done
     assert len(index) == 1 if writer == "thread" else 1 <= len(index) < N  # the process runs ahead
     r = verify_output(str(tmp_path / "o"), "deep")
     assert r.exit_code == 0 and r.ok == len(index)
@@ -411,15 +406,14 @@ def test_a_writer_bug_after_a_pause_fails_the_run(
     hide behind it: failed (exit 1), the status saying both."""
     from extraction.diskguard import DiskLow
 
-    monkeypatch.setenv("HSX_WRITER", writer)
-
     def pause_then_break(self, work, outcome):
-        self._pause(DiskLow(free=1, reserve=2, needed=3, path=str(tmp_path)))
+        self.pause_run(DiskLow(free=1, reserve=2, needed=3, path=str(tmp_path)))
         raise RuntimeError("bug in the bookkeeping")
 
-    monkeypatch.setattr(Runner, "_apply", pause_then_break)
+    monkeypatch.setattr(Lifecycle, "apply", pause_then_break)
     out = tmp_path / "o"
-    assert _run_unless_hung(make_cfg(tiny_model_dir, dataset, out, batch_size=1), backend) == EXIT_FAILED
+    cfg = make_cfg(tiny_model_dir, dataset, out, batch_size=1, publisher=writer)
+    assert _run_unless_hung(cfg, backend) == EXIT_FAILED
     status = read_status(str(out))
     assert status["state"] == "failed", status
     assert "bug in the bookkeeping" in status["message"] and "disk low" in status["message"], status
@@ -433,14 +427,13 @@ def test_a_full_disk_in_the_writers_bookkeeping_is_a_pause(
     space), as a full disk while publishing a shard does; it is not a bug that fails it."""
     import errno
 
-    monkeypatch.setenv("HSX_WRITER", writer)
-
     def full(self, work, outcome):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Runner, "_apply", full)
+    monkeypatch.setattr(Lifecycle, "apply", full)
     out = tmp_path / "o"
-    assert _run_unless_hung(make_cfg(tiny_model_dir, dataset, out, batch_size=1), backend) == EXIT_PAUSED
+    cfg = make_cfg(tiny_model_dir, dataset, out, batch_size=1, publisher=writer)
+    assert _run_unless_hung(cfg, backend) == EXIT_PAUSED
     status = read_status(str(out))
     assert status["state"] == "paused: disk low" and "No space left on device" in status["message"], status
     r = verify_output(str(out), "deep")
@@ -485,8 +478,7 @@ def test_cpu_forward_threads_set_and_restored(
     backend.extract = lambda samples: seen.append(torch.get_num_threads()) or inner(samples)
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(fmt, "usable_cores", lambda: 16)
-    monkeypatch.setattr("extraction.runner.WRITER_THREADS", 2)
+    monkeypatch.setattr(hsx.cores, "usable_cores", lambda: 16)
     try:
         for out, kw, env, caller, want in (
             ("auto", {}, None, 16, 13),
@@ -499,10 +491,8 @@ def test_cpu_forward_threads_set_and_restored(
             torch.set_num_threads(caller)
             seen.clear()
             logs: list[str] = []
-            assert (
-                run(make_cfg(tiny_model_dir, dataset, tmp_path / out, limit=4, **kw), backend, logs)
-                == EXIT_OK
-            )
+            cfg = make_cfg(tiny_model_dir, dataset, tmp_path / out, limit=4, **kw)
+            assert run(cfg, backend, logs, writer_threads=2) == EXIT_OK
             assert seen and set(seen) == {want}, (out, seen)
             assert f"forward on {want} torch threads" in "\n".join(logs)
             assert torch.get_num_threads() == caller
@@ -524,7 +514,7 @@ def test_consecutive_errors_abort(tiny_model_dir, dataset, backend, tmp_path) ->
     assert code == EXIT_FAILED
     status = read_status(str(tmp_path / "out"))
     assert status["state"] == "failed" and "3 samples failed in a row" in status["message"]
-    assert status["errors"] == 3 and fmt.load_index(str(tmp_path / "out")) == {}
+    assert status["errors"] == 3 and load_index(str(tmp_path / "out")) == {}
 
 
 def test_disk_guard_pauses_before_writing(tiny_model_dir, dataset, backend, tmp_path) -> None:
@@ -534,7 +524,7 @@ def test_disk_guard_pauses_before_writing(tiny_model_dir, dataset, backend, tmp_
     status = read_status(str(tmp_path / "out"))
     assert status["state"] == "paused: disk low"
     assert str(status["free_bytes"]) in status["message"] and str(1024**5) in status["message"]
-    assert fmt.load_index(str(tmp_path / "out")) == {} and fmt.scan_shards(str(tmp_path / "out")) == []
+    assert load_index(str(tmp_path / "out")) == {} and scan_shards(str(tmp_path / "out")) == []
 
 
 def test_shards_split_dataset_without_overlap(tiny_model_dir, dataset, backend, tmp_path, ids) -> None:
@@ -542,7 +532,7 @@ def test_shards_split_dataset_without_overlap(tiny_model_dir, dataset, backend, 
     for i in range(3):
         out = tmp_path / f"node{i}"
         assert run(make_cfg(tiny_model_dir, dataset, out, shard_index=i, num_shards=3), backend) == EXIT_OK
-        got.append(set(fmt.load_index(str(out))))
+        got.append(set(load_index(str(out))))
         assert got[-1] == {s for s in ids if assigned_to(s, i, 3)}
     assert set().union(*got) == ids and sum(map(len, got)) == len(ids)
     assert all(got)
@@ -579,7 +569,7 @@ def test_tokenize_ahead_is_bounded_by_bytes() -> None:
 def test_limit(tiny_model_dir, dataset, backend, tmp_path) -> None:
     assert run(make_cfg(tiny_model_dir, dataset, tmp_path / "out", limit=5), backend) == EXIT_OK
     first5 = [e.sample_id for e in scan_dataset(dataset).entries[:5]]
-    assert sorted(fmt.load_index(str(tmp_path / "out"))) == sorted(first5)
+    assert sorted(load_index(str(tmp_path / "out"))) == sorted(first5)
     assert read_status(str(tmp_path / "out"))["total"] == 5
 
 
@@ -624,7 +614,7 @@ def test_cli_end_to_end(tmp_path, tiny_model_dir, capsys) -> None:
     )
     out = tmp_path / "out"
     assert main(["extract", "--config", str(conf), "--output", str(out)]) == 0
-    assert len(fmt.load_index(str(out))) == 4
+    assert len(load_index(str(out))) == 4
     # A --layers the model cannot capture (8 layers: canonical ids 1..7) is a usage error that says why.
     assert main(["extract", "--config", str(conf), "--output", str(out), "--layers", "1,3,8"]) == EXIT_USAGE
     assert "out of range for a 8-layer model" in capsys.readouterr().err
@@ -652,19 +642,17 @@ def test_tokenizer_runs_in_a_child_process_same_bits_and_row_errors(
     monkeypatch.setattr(ChatTokenizer, "encode", encode)
     outs = {}
     for mode in ("process", "thread"):
-        monkeypatch.setenv("HSX_TOKENIZER", mode)
         pids.unlink(missing_ok=True)
         outs[mode] = tmp_path / mode
         cfg = make_cfg(tiny_model_dir, dataset, outs[mode])
-        assert (
-            run(cfg, backend) == EXIT_OK
-        )  # a row that cannot be tokenized is a data error, as a malformed one
+        # a row that cannot be tokenized is a data error, as a malformed one
+        assert run(cfg, backend, tokenizer_process=mode == "process") == EXIT_OK
         seen = {int(x) for x in pids.read_text().split()}
         assert (seen != {os.getpid()}) if mode == "process" else (seen == {os.getpid()}), (mode, seen)
         errors = [json.loads(x) for x in (outs[mode] / ERRORS_NAME).read_text().splitlines()]
         assert [(e["kind"], e.get("sample_id")) for e in errors] == [("row", poison)]
         assert "tokenization failed: template cannot render this row" in errors[0]["reason"]
-        assert sorted(fmt.load_index(str(outs[mode]))) == sorted(ids - {poison})
+        assert sorted(load_index(str(outs[mode]))) == sorted(ids - {poison})
         status = read_status(str(outs[mode]))
         assert status["row_errors"] == 1 and status["total"] == N - 1 == status["done"]
     got, want = load_shards(outs["process"]), load_shards(outs["thread"])
@@ -697,7 +685,7 @@ def test_tokenizer_process_killed_fails_the_run_with_the_reason(
     assert any("the tokenizer process failed" in m and "killed by SIGKILL" in m for m in logs), logs
     status = read_status(str(out))
     assert status["state"] == "failed" and "tokenizer process" in status["message"]
-    done = fmt.load_index(str(out))
+    done = load_index(str(out))
     assert len(done) < N
     r = verify_output(str(out), "quick")
     assert r.exit_code == 0 and r.ok == len(done)

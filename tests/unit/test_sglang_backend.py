@@ -7,11 +7,15 @@ sample, having checked ids and layers and cleaned up the dump files.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import importlib.util
+import os
 import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -135,3 +139,249 @@ def test_standin_min_request_seconds_is_a_floor(model_dir, tmp_path, monkeypatch
         assert time.monotonic() - t >= 0.4 and reply["meta_info"]["id"] == "floor"
     finally:
         srv.stop()
+
+
+def test_extract_with_the_sglang_backend_publishes_through_either_publisher(server, model_dir, tmp_path):
+    """`hsx extract --backend sglang` publishes through the same Publisher interface as hf: writer
+    threads by default (auto), the writer process when --publisher asks for it; the same shards,
+    bit for bit, every one deep-verified."""
+    from hsx_run_helpers import assert_complete, assert_same_shards, load_shards, make_cfg, run
+
+    from extraction.dataset import scan_dataset
+    from extraction.tiny import write_tiny_dataset
+    from hsx.exitcodes import EXIT_OK
+
+    srv, dump_dir = server
+    ds = write_tiny_dataset(tmp_path / "d.jsonl", 6, seed=3)
+    ids = {e.sample_id for e in scan_dataset(ds).entries}
+    kw = dict(backend="sglang", server_url=srv.url, dump_dir=dump_dir, dtype="bf16", batch_size=3)
+    logs: dict[str, list[str]] = {}
+    for publisher in ("auto", "process"):
+        out, logs[publisher] = tmp_path / publisher, []
+        assert run(make_cfg(model_dir, ds, out, publisher=publisher, **kw), None, logs[publisher]) == EXIT_OK
+        assert_complete(out, ids)
+    assert not any("writer process (pid" in m for m in logs["auto"]), logs["auto"]
+    assert any("writer process (pid" in m for m in logs["process"]), logs["process"]
+    assert_same_shards(tmp_path / "process", load_shards(tmp_path / "auto"))
+
+
+# ---------------------------------------------------------------- waiting for the dump (#29)
+
+
+def _save_hook(srv, monkeypatch, before):
+    """Run before(record) ahead of each save of the stand-in's hook (its writer thread): it may
+    sleep (a slow disk), block, or raise (a failed write)."""
+    hk = srv.model._hsx_dump
+    real = hk._save
+
+    def save(record, path):
+        before(record)
+        real(record, path)
+
+    monkeypatch.setattr(hk, "_save", save)
+    return hk
+
+
+def _open_fds(kind: str) -> int:
+    """How many of this process's file descriptors are `kind` ("anon_inode:inotify", "pipe:")."""
+    count = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            count += os.readlink(fd).startswith(kind)
+        except OSError:
+            pass
+    return count
+
+
+def test_the_client_waits_for_renames_without_sleeping_and_gives_the_hf_shards(
+    server, model_dir, tmp_path, monkeypatch
+):
+    """The hook writes well after each reply; the client waits for the renames (inotify) and never
+    sleep-polls; the shards are the hf backend's, bit for bit, and no dump is left behind."""
+    from hsx_run_helpers import assert_complete, assert_same_shards, load_shards, make_cfg, run
+
+    from extraction.backends import sglang as sglang_backend
+    from extraction.dataset import scan_dataset
+    from extraction.sglang import dumps
+    from extraction.tiny import write_tiny_dataset
+    from hsx.exitcodes import EXIT_OK
+
+    srv, dump_dir = server
+    _save_hook(srv, monkeypatch, lambda record: time.sleep(0.05))  # the dump lags the reply
+    sleeps: list[float] = []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        time.sleep(seconds)
+
+    clock = SimpleNamespace(monotonic=time.monotonic, sleep=sleep)
+    monkeypatch.setattr(sglang_backend, "time", clock)
+    monkeypatch.setattr(dumps, "time", clock)
+    ds = write_tiny_dataset(tmp_path / "d.jsonl", 6, seed=5)
+    ids = {e.sample_id for e in scan_dataset(ds).entries}
+    got = tmp_path / "sglang"
+    cfg = make_cfg(model_dir, ds, got, backend="sglang", server_url=srv.url, dump_dir=dump_dir, dtype="bf16")
+    assert run(cfg, None) == EXIT_OK
+    assert sleeps == []  # woken by the renames, never by a timer
+    assert list(Path(dump_dir).iterdir()) == []
+    want = tmp_path / "hf"
+    assert run(make_cfg(model_dir, ds, want, dtype="bf16", batch_size=1), None) == EXIT_OK
+    assert_complete(got, ids)
+    assert_same_shards(got, load_shards(want))
+
+
+def test_a_failed_piece_is_asked_again_at_once_with_a_new_rid_leaving_no_dump(server, model_dir, monkeypatch):
+    """The hook could not write the first piece of the first attempt (its `.failed` marker); its
+    later pieces land after the client gave that attempt up. The client asks again at once with a
+    new rid, gets the right states, and no file of either attempt is left."""
+    from extraction.backends.hf import HFBackend
+    from extraction.backends.sglang import SGLangBackend, SGLangError
+
+    srv, dump_dir = server
+    rids: list[str] = []
+
+    def before(record):
+        if record["rid"] not in rids:
+            rids.append(record["rid"])
+        if record["rid"] == rids[0]:
+            if record["offset"] == 0:
+                raise OSError(28, "No space left on device")
+            time.sleep(0.3)
+
+    hk = _save_hook(srv, monkeypatch, before)
+    (sample,) = samples([40])  # three prefill pieces of at most 16 tokens
+    backend = SGLangBackend(srv.url, dump_dir, model_dir, LAYERS, health_timeout=10, dump_timeout=5)
+    t0 = time.monotonic()
+    (got,) = backend.extract([sample])
+    assert time.monotonic() - t0 < 4  # at once, not after the dump timeout
+    (want,) = HFBackend(model_dir, LAYERS).extract([sample])
+    assert torch.equal(got.hidden_state, want.hidden_state)
+    assert torch.equal(got.aux_hidden_state, want.aux_hidden_state)
+    assert len(rids) == 2 and hk.failed == 1
+    assert list(Path(dump_dir).iterdir()) == []
+    # a disk that fails every write: asked 1 + write_retries times, then the sample fails
+    attempts: set[str] = set()
+    monkeypatch.setattr(hk, "_save", lambda record, path: attempts.add(record["rid"]) or 1 / 0)
+    with pytest.raises(SGLangError, match="s/000: the server could not write its dump, 3 times"):
+        backend.extract([sample])
+    assert len(attempts) == 3
+    assert hk.flush(30)  # every piece of the last attempt has failed: its later markers are in ...
+    backend.close()
+    assert list(Path(dump_dir).iterdir()) == []  # ... and removed at close
+
+
+def test_a_dump_timeout_fails_the_sample_and_leaves_no_dump(server, model_dir, monkeypatch):
+    """The dump disk hangs after a request's first piece: the sample fails after the dump timeout,
+    the piece already written is removed at once, and the pieces that land later are removed once
+    a later request's dump is in (the one writer writes in order)."""
+    from extraction.backends.sglang import SGLangBackend, SGLangError
+
+    srv, dump_dir = server
+    stuck, release = threading.Event(), threading.Event()
+
+    def before(record):
+        if record["offset"] > 0 and not release.is_set():
+            stuck.set()
+            assert release.wait(30)
+
+    _save_hook(srv, monkeypatch, before)
+    first, later = samples([40, 5])
+    backend = SGLangBackend(srv.url, dump_dir, model_dir, LAYERS, health_timeout=10, dump_timeout=0.5)
+    with pytest.raises(SGLangError, match=r"s/000: no complete dump after 0s"):
+        backend.extract([first])
+    assert stuck.is_set()
+    assert list(Path(dump_dir).iterdir()) == []  # the first piece was in place: removed
+    release.set()
+    assert len(backend.extract([later])) == 1
+    assert list(Path(dump_dir).iterdir()) == []  # the late pieces: removed too
+    backend.close()
+
+
+@pytest.mark.parametrize("reply", ["dropped", "not-json"])
+def test_a_lost_or_garbled_reply_leaves_no_dump(server, model_dir, monkeypatch, reply):
+    """The server ran the request (its hook takes the dump) but the reply is lost (the server
+    restarting: the connection closes unanswered) or not JSON. A lost reply is asked again with a
+    new rid; a garbled one fails the sample. Either way no file of that rid is left."""
+    from extraction.backends.sglang import SGLangBackend, SGLangError
+
+    srv, dump_dir = server
+    handler = srv.httpd.RequestHandlerClass
+    real_reply = handler._reply
+    spoilt: list[str] = []
+
+    def spoil(self, code, body):
+        if self.path != "/generate" or code != 200 or spoilt:
+            return real_reply(self, code, body)
+        spoilt.append(body["meta_info"]["id"])
+        if reply == "not-json":
+            data = b"<html>502 Bad Gateway</html>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    monkeypatch.setattr(handler, "_reply", spoil)
+    saved: list[str] = []
+
+    def before(record):  # the spoilt request's pieces land after the client gave it up
+        saved.append(record["rid"])
+        if record["rid"] == saved[0]:
+            time.sleep(0.3)
+
+    _save_hook(srv, monkeypatch, before)
+    one, two = samples([40, 5])
+    backend = SGLangBackend(srv.url, dump_dir, model_dir, LAYERS, health_timeout=10, dump_timeout=5)
+    if reply == "dropped":
+        assert len(backend.extract([one])) == 1
+    else:
+        with pytest.raises(SGLangError, match="s/000: /generate answered 200 with a body that is not JSON"):
+            backend.extract([one])
+    assert len(backend.extract([two])) == 1
+    backend.close()
+    assert spoilt and spoilt[0] == saved[0]
+    assert list(Path(dump_dir).iterdir()) == []
+
+
+def test_waits_close_their_inotify_instances_and_poll_without_inotify(server, model_dir, monkeypatch):
+    """One inotify instance per waiting request, closed when its wait ends (a user has 128); where
+    inotify_init1 fails (no instances left) or the watch cannot be added, the wait polls instead."""
+    from extraction.backends.sglang import SGLangBackend
+    from extraction.sglang import dumps
+
+    srv, dump_dir = server
+    _save_hook(srv, monkeypatch, lambda record: time.sleep(0.02))
+    backend = SGLangBackend(srv.url, dump_dir, model_dir, LAYERS, concurrency=4, health_timeout=10)
+    batch = samples([3, 20, 37, 16, 65])
+    inotify, pipes = _open_fds("anon_inode:inotify"), _open_fds("pipe:")
+    want = backend.extract(batch)
+    assert _open_fds("anon_inode:inotify") == inotify  # every wait closed its instance
+    calls: list[str] = []
+
+    class NoInotify:  # libc as it answers when the user's inotify instances are all taken
+        def inotify_init1(self, flags):
+            calls.append("init")
+            ctypes.set_errno(errno.EMFILE)
+            return -1
+
+    class NoWatch:  # an instance, but the directory cannot be watched: the instance is closed
+        def inotify_init1(self, flags):
+            calls.append("init")
+            r, w = os.pipe()
+            os.close(w)
+            return r
+
+        def inotify_add_watch(self, fd, path, mask):
+            ctypes.set_errno(errno.ENOSPC)
+            return -1
+
+    for libc in (NoInotify(), NoWatch()):
+        calls.clear()
+        monkeypatch.setattr(dumps, "_libc", lambda libc=libc: libc)
+        got = backend.extract(batch)
+        assert len(calls) >= len(batch)  # every wait asked for an instance, then polled
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.hidden_state, w.hidden_state)
+            assert torch.equal(g.aux_hidden_state, w.aux_hidden_state)
+    assert _open_fds("pipe:") == pipes  # the instances without a watch were closed
+    backend.close()
+    assert list(Path(dump_dir).iterdir()) == []

@@ -1,4 +1,4 @@
-"""The stdlib-only format module: naming, index log, zip parsing, the restricted pickle reader."""
+"""The stdlib-only format (hsx): naming, index log, zip parsing, the restricted pickle reader."""
 
 from __future__ import annotations
 
@@ -11,16 +11,51 @@ import pytest
 import torch
 from shard_helpers import expect, read_record, replace_record, save, shard_dict
 
-from extraction.shards import format as fmt
+import hsx
+from hsx.crc import crc32_combine
+from hsx.errors import ShardBad
+from hsx.index import IndexEntry, append_index, index_record, load_index, read_index, tombstone_record
+from hsx.layout import (
+    BUCKET_HEX_CHARS,
+    INDEX_NAME,
+    SHARD_RELPATH_RE,
+    SHARDS_DIR,
+    is_shard_name,
+    is_temp_name,
+    safe_name,
+    shard_relpath,
+    temp_name,
+)
+from hsx.torchpickle import read_tensor_pickle
+from hsx.verify.check import inspect_shard
+
+ROOT = Path(__file__).resolve().parents[2]
+CORE = ROOT / "module_utils" / "hsx"
+# The modules that were the one format module (extraction/shards/format.py) before the core split.
+FORMAT_MODULES = [
+    "layout.py",
+    "index.py",
+    "fsutil.py",
+    "errors.py",
+    "ziprecords.py",
+    "torchpickle.py",
+    "crc.py",
+    "cores.py",
+    *(f"verify/{p.name}" for p in sorted((CORE / "verify").glob("*.py"))),
+]
 
 
-def test_format_module_imports_only_the_standard_library():
-    src = Path(fmt.__file__).read_text()
+@pytest.mark.parametrize("name", [*FORMAT_MODULES, "manifest.py"])
+def test_format_modules_import_only_the_standard_library(name):
+    src = (CORE / name).read_text()
     imports = {
         line.split()[1].split(".")[0]
         for line in src.splitlines()
-        if line.startswith(("import ", "from ")) and not line.startswith("from __future__")
+        if line.startswith(("import ", "from "))
+        and not line.startswith(("from __future__", "from ."))  # relative: the core's own modules
     }
+    # manifest.py was extraction/shards/manifest.py (stdlib-only too): run.json's created_at
+    extra = {"datetime"} if name == "manifest.py" else set()
     assert imports <= {
         "errno",
         "hashlib",
@@ -39,13 +74,13 @@ def test_format_module_imports_only_the_standard_library():
         "dataclasses",
         "typing",
         "collections",
+        *extra,
     }
 
 
-def test_module_utils_symlink_points_at_the_one_source():
-    link = Path(__file__).resolve().parents[2] / "module_utils" / "hsx_shard_format.py"
-    assert link.is_symlink() and not os.path.isabs(os.readlink(link))
-    assert link.resolve() == Path(fmt.__file__).resolve()
+def test_module_utils_holds_the_one_source_and_no_links():
+    assert Path(hsx.__file__).resolve().parent == CORE  # the package `hsx` imports is module_utils/hsx
+    assert not [p for p in (ROOT / "module_utils").rglob("*") if p.is_symlink()]
 
 
 @pytest.mark.parametrize(
@@ -53,58 +88,58 @@ def test_module_utils_symlink_points_at_the_one_source():
     ["conv-001", "a.b_c", "with space", "../../etc/passwd", "ünïcode", ".hidden", "x" * 300, "a/b", "a~b"],
 )
 def test_shard_relpath_is_safe_and_stable(sample_id):
-    rel = fmt.shard_relpath(sample_id)
-    assert rel == fmt.shard_relpath(sample_id)
+    rel = shard_relpath(sample_id)
+    assert rel == shard_relpath(sample_id)
     parts = rel.split("/")
-    assert parts[0] == fmt.SHARDS_DIR and len(parts) == 3 and len(parts[1]) == fmt.BUCKET_HEX_CHARS
+    assert parts[0] == SHARDS_DIR and len(parts) == 3 and len(parts[1]) == BUCKET_HEX_CHARS
     assert parts[2].endswith(".pt") and not parts[2].startswith(".") and ".." not in parts
-    assert len(parts[2]) < 200 and fmt._INDEX_PATH.match(rel)
+    assert len(parts[2]) < 200 and SHARD_RELPATH_RE.match(rel)
 
 
 def test_safe_names_never_collide():
     ids = ["a b", "a_b", "a/b", "a~b", "a_b~0", "A_B"]
-    names = [fmt.safe_name(i) for i in ids]
+    names = [safe_name(i) for i in ids]
     assert len(set(names)) == len(ids)
-    assert fmt.safe_name("a_b") == "a_b"  # safe ids keep their name
+    assert safe_name("a_b") == "a_b"  # safe ids keep their name
 
 
 def test_temp_names_are_never_shards():
-    t = fmt.temp_name("x.pt")
-    assert fmt.is_temp_name(t) and not fmt.is_shard_name(t) and not t.endswith(".pt")
+    t = temp_name("x.pt")
+    assert is_temp_name(t) and not is_shard_name(t) and not t.endswith(".pt")
 
 
 def test_index_tolerates_torn_tail_and_damaged_lines(tmp_path):
-    e1 = fmt.IndexEntry("a", "shards/00/a.pt", 10, "crc32:00000001", 3)
-    e2 = fmt.IndexEntry("b", "shards/00/b.pt", 11, "crc32:00000002", 4)
-    fmt.append_index(str(tmp_path), [fmt.index_record(e1), fmt.index_record(e2)])
-    idx = tmp_path / fmt.INDEX_NAME
+    e1 = IndexEntry("a", "shards/00/a.pt", 10, "crc32:00000001", 3)
+    e2 = IndexEntry("b", "shards/00/b.pt", 11, "crc32:00000002", 4)
+    append_index(str(tmp_path), [index_record(e1), index_record(e2)])
+    idx = tmp_path / INDEX_NAME
     lines = idx.read_bytes().splitlines(keepends=True)
     damaged = lines[0].replace(b'"a"', b'"z"')  # CRC no longer matches
     idx.write_bytes(damaged + lines[1] + lines[1][:20])  # + a torn last line
-    state = fmt.read_index(str(tmp_path))
+    state = read_index(str(tmp_path))
     assert set(state.entries) == {"b"} and state.bad_lines == 1 and state.torn_tail
-    assert fmt.load_index(str(tmp_path))["b"] == e2
+    assert load_index(str(tmp_path))["b"] == e2
 
 
 def test_index_later_lines_win_and_tombstones_remove(tmp_path):
-    e = fmt.IndexEntry("a", "shards/00/a.pt", 10, "crc32:00000001", 3)
-    fmt.append_index(str(tmp_path), [fmt.index_record(e), fmt.tombstone_record("a", "bad")])
-    assert fmt.load_index(str(tmp_path)) == {}
-    fmt.append_index(str(tmp_path), [fmt.index_record(e)])
-    assert fmt.load_index(str(tmp_path)) == {"a": e}
-    assert fmt.load_index(str(tmp_path / "nowhere")) == {}
+    e = IndexEntry("a", "shards/00/a.pt", 10, "crc32:00000001", 3)
+    append_index(str(tmp_path), [index_record(e), tombstone_record("a", "bad")])
+    assert load_index(str(tmp_path)) == {}
+    append_index(str(tmp_path), [index_record(e)])
+    assert load_index(str(tmp_path)) == {"a": e}
+    assert load_index(str(tmp_path / "nowhere")) == {}
 
 
 def test_crc32_combine_matches_zlib():
     for a_len, b_len in [(0, 0), (1, 0), (0, 7), (13, 1), (1000, 65536 + 3)]:
         a, b = os.urandom(a_len), os.urandom(b_len)
-        assert fmt.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
 
 
 def test_restricted_reader_matches_torch(tmp_path):
     d = shard_dict(length=7)
     path = save(tmp_path / "s.pt", d)
-    meta = fmt.read_tensor_pickle(read_record(path, "data.pkl"))
+    meta = read_tensor_pickle(read_record(path, "data.pkl"))
     for key, t in d.items():
         m = meta[key]
         assert m.shape == tuple(t.shape) and m.stride == tuple(t.stride()) and m.offset == 0
@@ -115,7 +150,7 @@ def test_restricted_reader_reads_protocol_4_stack_globals(tmp_path):
     # torch.save(pickle_protocol=4) uses SHORT_BINUNICODE, MEMOIZE, FRAME, STACK_GLOBAL.
     path = tmp_path / "p4.pt"
     torch.save(shard_dict(), path, pickle_protocol=4)
-    meta = fmt.read_tensor_pickle(read_record(path, "data.pkl"))
+    meta = read_tensor_pickle(read_record(path, "data.pkl"))
     assert meta["hidden_state"].shape == (1, 5, 8)
 
 
@@ -133,8 +168,8 @@ def test_code_payload_is_refused_without_running_it(tmp_path, protocol):
     pickle.loads(pickle.dumps(_Payload(live), protocol=protocol))
     assert live.exists(), "the payload must be a real one"
     marker = tmp_path / "pwned"
-    with pytest.raises(fmt.ShardBad, match="refused, nothing executed"):
-        fmt.read_tensor_pickle(pickle.dumps({"input_ids": _Payload(marker)}, protocol=protocol))
+    with pytest.raises(ShardBad, match="refused, nothing executed"):
+        read_tensor_pickle(pickle.dumps({"input_ids": _Payload(marker)}, protocol=protocol))
     assert not marker.exists()
 
 
@@ -152,8 +187,8 @@ def test_code_payload_is_refused_without_running_it(tmp_path, protocol):
     ],
 )
 def test_restricted_reader_rejects_malformed_pickles(data, reason):
-    with pytest.raises(fmt.ShardBad, match=reason):
-        fmt.read_tensor_pickle(data)
+    with pytest.raises(ShardBad, match=reason):
+        read_tensor_pickle(data)
 
 
 def test_storage_on_a_gpu_is_reported(tmp_path):
@@ -162,8 +197,8 @@ def test_storage_on_a_gpu_is_reported(tmp_path):
     replace_record(path, "data.pkl", pkl)
     fd = os.open(path, os.O_RDONLY)
     try:
-        with pytest.raises(fmt.ShardBad, match="cuda:0"):
-            fmt.inspect_shard(fd, expect())
+        with pytest.raises(ShardBad, match="cuda:0"):
+            inspect_shard(fd, expect())
     finally:
         os.close(fd)
 
@@ -174,6 +209,6 @@ def test_zip64_and_plain_end_records_are_both_read(tmp_path):
     replace_record(path, "data.pkl", read_record(path, "data.pkl"))
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert fmt.inspect_shard(fd, expect()).num_tokens == 5
+        assert inspect_shard(fd, expect()).num_tokens == 5
     finally:
         os.close(fd)

@@ -24,16 +24,22 @@ from shard_helpers import (
 )
 
 from extraction.cli import main as hsx
-from extraction.shards import ShardWriter, load_index
-from extraction.shards import format as fmt
+from extraction.shards import ShardWriter
 from extraction.shards.verify import deep_check, verify_output
+from hsx import crc, ziprecords
+from hsx.errors import ShardBad
+from hsx.index import append_index, index_record, load_index
+from hsx.layout import REASON_SUFFIX, shard_relpath, temp_name
+from hsx.verify import check as check_module
+from hsx.verify.check import LEVELS, check_shard
+from hsx.ziprecords import ShardReader, read_zip_records
 
 
 def check(path: Path, level: str = "quick", entry=None) -> str | None:
     """The reason a shard is bad, or None."""
     try:
-        fmt.check_shard(str(path), expect(), level, entry, deep_check)
-    except fmt.ShardBad as e:
+        check_shard(str(path), expect(), level, entry, deep_check)
+    except ShardBad as e:
         return str(e)
     return None
 
@@ -46,7 +52,7 @@ def good(tmp_path):
 
 def test_good_shard_passes_every_level(good):
     path, entry = good
-    for level in fmt.LEVELS:
+    for level in LEVELS:
         assert check(path, level, entry) is None
 
 
@@ -83,7 +89,7 @@ def test_flipped_tensor_data_passes_quick_and_fails_full_on_record_crc(good):
 def _records(path: Path):
     fd = os.open(path, os.O_RDONLY)
     try:
-        return fmt.read_zip_records(fmt._Reader(fd, os.fstat(fd).st_size))[0]
+        return read_zip_records(ShardReader(fd, os.fstat(fd).st_size))[0]
     finally:
         os.close(fd)
 
@@ -191,7 +197,7 @@ def test_code_payload_shard_is_bad_at_every_level_with_no_side_effect(tmp_path):
     _, (entry,) = make_run(tmp_path / "run", n=1)
     path = tmp_path / "run" / entry.path
     replace_record(path, "data.pkl", pickle.dumps({"input_ids": Payload()}, protocol=2))
-    for level in fmt.LEVELS:
+    for level in LEVELS:
         assert "refused, nothing executed" in check(path, level)
     assert hsx(["verify", str(tmp_path / "run"), "--level", "deep", "--json", "--workers", "1"]) == 1
     assert not marker.exists()
@@ -235,13 +241,13 @@ def test_mixed_run_check_then_quarantine_then_clean(tmp_path, capsys):
     paths[0].write_bytes(paths[0].read_bytes()[:-100])  # truncated by a crash
     flip(paths[1], paths[1].stat().st_size // 2)  # bit rot (CRC)
     os.unlink(paths[2])  # indexed, gone
-    stray = tmp_path / fmt.shard_relpath("stray")  # on disk, not indexed (crash before indexing)
+    stray = tmp_path / shard_relpath("stray")  # on disk, not indexed (crash before indexing)
     stray.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(paths[3], stray)
-    old_temp = paths[4].parent / fmt.temp_name("s004.pt")
+    old_temp = paths[4].parent / temp_name("s004.pt")
     old_temp.write_bytes(b"partial")
     os.utime(old_temp, (time.time() - 3600, time.time() - 3600))
-    young_temp = paths[4].parent / fmt.temp_name("s005.pt")
+    young_temp = paths[4].parent / temp_name("s005.pt")
     young_temp.write_bytes(b"in flight")
     before = tree(tmp_path)
 
@@ -250,7 +256,7 @@ def test_mixed_run_check_then_quarantine_then_clean(tmp_path, capsys):
     assert sorted((b["sample_id"], b["path"]) for b in out["bad"]) == [
         (e.sample_id, e.path) for e in entries[:2]
     ]
-    assert out["missing"] == ["s002"] and out["unindexed"] == [fmt.shard_relpath("stray")]
+    assert out["missing"] == ["s002"] and out["unindexed"] == [shard_relpath("stray")]
     assert out["checked"] == 6 and out["ok"] == 4 and out["orphans_removed"] == 0
 
     rc, out = _json(capsys, tmp_path, "--level", "full", "--quarantine")
@@ -259,7 +265,7 @@ def test_mixed_run_check_then_quarantine_then_clean(tmp_path, capsys):
     for e in entries[:2]:
         q = tmp_path / "quarantine" / Path(e.path).relative_to("shards")
         assert q.exists() and not (tmp_path / e.path).exists()
-        reason = json.loads(Path(str(q) + fmt.REASON_SUFFIX).read_text())
+        reason = json.loads(Path(str(q) + REASON_SUFFIX).read_text())
         assert reason["sample_id"] == e.sample_id and reason["reason"]
     assert set(load_index(tmp_path)) == {"s003", "s004", "s005"}  # bad and missing are not done
 
@@ -279,7 +285,7 @@ def test_quarantine_never_overwrites_an_earlier_quarantined_file(tmp_path):
     _, (entry,) = make_run(tmp_path, n=1)
     for _ in range(2):
         (tmp_path / entry.path).write_bytes(b"junk")
-        fmt.append_index(str(tmp_path), [fmt.index_record(entry)])
+        append_index(str(tmp_path), [index_record(entry)])
         r = verify_output(str(tmp_path), "quick", quarantine=True)
         assert len(r.quarantined) == 1
     assert len(list((tmp_path / "quarantine").rglob("*.pt*"))) == 4  # 2 shards + 2 reason files
@@ -289,7 +295,7 @@ def test_stale_index_entry_pointing_outside_is_never_touched(tmp_path, capsys):
     make_run(tmp_path, n=1)
     victim = tmp_path.parent / f"{tmp_path.name}-victim.pt"
     victim.write_bytes(b"precious")
-    fmt.append_index(
+    append_index(
         str(tmp_path),
         [{"id": "evil", "path": f"../{victim.name}", "size": 8, "checksum": "crc32:0", "num_tokens": 1}],
     )
@@ -300,11 +306,11 @@ def test_stale_index_entry_pointing_outside_is_never_touched(tmp_path, capsys):
 
 def test_index_with_size_or_token_count_mismatch(tmp_path):
     _, (entry,) = make_run(tmp_path, n=1)
-    fmt.append_index(str(tmp_path), [{**fmt.index_record(entry), "size": entry.size + 1}])
+    append_index(str(tmp_path), [{**index_record(entry), "size": entry.size + 1}])
     assert "differs from the index" in verify_output(str(tmp_path)).bad[0].reason
-    fmt.append_index(str(tmp_path), [{**fmt.index_record(entry), "num_tokens": 99}])
+    append_index(str(tmp_path), [{**index_record(entry), "num_tokens": 99}])
     assert "the index says 99" in verify_output(str(tmp_path)).bad[0].reason
-    fmt.append_index(str(tmp_path), [{**fmt.index_record(entry), "checksum": "crc32:00000000"}])
+    append_index(str(tmp_path), [{**index_record(entry), "checksum": "crc32:00000000"}])
     assert verify_output(str(tmp_path)).bad == []
     assert "checksum" in verify_output(str(tmp_path), "full").bad[0].reason
 
@@ -347,7 +353,7 @@ def test_unreadable_shard_exits_2_and_moves_nothing(tmp_path, capsys, monkeypatc
                 raise PermissionError(13, "Permission denied", path)
             return real_open(path, *a, dir_fd=dir_fd, **k)
 
-        monkeypatch.setattr(fmt.os, "open", deny)
+        monkeypatch.setattr(os, "open", deny)
     before = tree(tmp_path)
     assert hsx(["verify", str(tmp_path), "--quarantine", "--workers", "1"]) == 2
     err = capsys.readouterr().err
@@ -366,9 +372,9 @@ def test_human_summary(tmp_path, capsys):
 def test_a_foreign_writers_file_is_judged_on_structure(tmp_path):
     # A shard written by plain torch.save (as SpecForge does) under our layout: valid at every level.
     ShardWriter(tmp_path, __import__("shard_helpers").manifest())
-    save(tmp_path / fmt.shard_relpath("foreign"), shard_dict())
+    save(tmp_path / shard_relpath("foreign"), shard_dict())
     r = verify_output(str(tmp_path), "deep")
-    assert r.exit_code == 0 and r.unindexed == [fmt.shard_relpath("foreign")] and r.ok == 1
+    assert r.exit_code == 0 and r.unindexed == [shard_relpath("foreign")] and r.ok == 1
 
 
 def test_many_workers_agree_with_one(tmp_path):
@@ -385,9 +391,9 @@ def test_large_file_paths_pread_chunks_and_crc_combine(good, monkeypatch):
     # Big shards are read in chunks with pread and their whole-file CRC is combined per region;
     # shrink the thresholds so a small real shard takes those paths, chunk edges inside records.
     path, entry = good
-    monkeypatch.setattr(fmt, "_SMALL_FILE", 0)
-    monkeypatch.setattr(fmt, "_DIRECT_CRC_MAX", 0)
-    monkeypatch.setattr(fmt, "_CHUNK", 97)
+    monkeypatch.setattr(ziprecords, "SMALL_FILE", 0)
+    monkeypatch.setattr(crc, "_DIRECT_CRC_MAX", 0)
+    monkeypatch.setattr(crc, "_CHUNK", 97)
     assert check(path, "full", entry) is None
     data = path.read_bytes()
     with open(path, "r+b") as f:
@@ -401,9 +407,9 @@ def test_layout_memo_skips_reparsing_only_byte_identical_structure(tmp_path, mon
     # Two shards of equal length: the second is recognised by its structural bytes (no parse).
     _, (a, b) = make_run(tmp_path, n=2, length=11)
     calls = []
-    real = fmt._inspect
-    monkeypatch.setattr(fmt, "_inspect", lambda r, e: calls.append(1) or real(r, e))
-    monkeypatch.setattr(fmt, "_LAYOUTS", {})
+    real = check_module._inspect
+    monkeypatch.setattr(check_module, "_inspect", lambda r, e: calls.append(1) or real(r, e))
+    monkeypatch.setattr(check_module, "_LAYOUTS", {})
     assert check(tmp_path / a.path) is None and check(tmp_path / b.path, "full", b) is None
     assert len(calls) == 1
     # One changed byte in a structural region (the pickle) is not a match: parsed, and bad.

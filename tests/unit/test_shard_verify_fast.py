@@ -19,14 +19,44 @@ from pathlib import Path
 import pytest
 from shard_helpers import expect, flip, make_run, manifest, tensors
 
+import hsx.cores
+import hsx.crc
+import hsx.verify.check
+import hsx.verify.full
+import hsx.verify.pool
+import hsx.verify.quick
+import hsx.verify.quick_split
+import hsx.ziprecords
 from extraction.shards import ShardWriter
-from extraction.shards import format as fmt
+from hsx.cores import default_workers
+from hsx.crc import crc32_combine, use_crc_backend
+from hsx.errors import ShardBad
+from hsx.fsutil import find_orphan_temps
+from hsx.index import (
+    IndexEntry,
+    append_index,
+    checksum_string,
+    encode_index_line,
+    index_record,
+    index_rows,
+    load_index,
+    read_index,
+    tombstone_record,
+)
+from hsx.layout import INDEX_NAME, SHARDS_DIR, temp_name
+from hsx.verify import verify_output
+from hsx.verify.check import check_batch, check_shard
+from hsx.verify.pool import fork_map, reap
+from hsx.verify.quick_split import split_by_size
+from hsx.verify.quick_worker import QuickWorker
+from hsx.verify.scan import list_shards, scan_shards
+from hsx.ziprecords import ShardReader, ZipRecord, read_zip_records
 
 
 @pytest.fixture(autouse=True)
 def _stdlib_crc_after():
     yield
-    fmt.use_crc_backend("auto")
+    use_crc_backend("auto")
 
 
 def _fake_lib(monkeypatch, name: str, crc32, combine=None) -> None:
@@ -52,15 +82,15 @@ def test_a_crc_library_that_agrees_with_zlib_is_used_for_full(tmp_path, monkeypa
     calls: list[int] = []
     _fake_lib(monkeypatch, "zlib_ng.zlib_ng", _counting_crc(calls))
     monkeypatch.setitem(sys.modules, "isal.isal_zlib", None)  # not installed
-    assert fmt.use_crc_backend("auto") == "zlib-ng"
+    assert use_crc_backend("auto") == "zlib-ng"
     _, (entry,) = make_run(tmp_path, n=1, length=7)
     path = tmp_path / entry.path
     calls.clear()
-    fmt.check_shard(str(path), expect(), "full", entry)
+    check_shard(str(path), expect(), "full", entry)
     assert calls, "full did not use the selected CRC32"
     flip(path, path.stat().st_size // 2)
-    with pytest.raises(fmt.ShardBad):
-        fmt.check_shard(str(path), expect(), "full", entry)
+    with pytest.raises(ShardBad):
+        check_shard(str(path), expect(), "full", entry)
 
 
 @pytest.mark.parametrize(
@@ -75,43 +105,43 @@ def test_a_crc_library_that_agrees_with_zlib_is_used_for_full(tmp_path, monkeypa
 def test_a_crc_library_that_disagrees_with_zlib_is_never_used(monkeypatch, crc32, combine):
     _fake_lib(monkeypatch, "isal.isal_zlib", crc32, combine)
     monkeypatch.setitem(sys.modules, "zlib_ng.zlib_ng", None)
-    assert fmt.use_crc_backend("auto") == "zlib"
-    assert fmt._crc32 is zlib.crc32
+    assert use_crc_backend("auto") == "zlib"
+    assert hsx.crc._crc32 is zlib.crc32
 
 
 def test_hsx_crc32_env_forces_the_stdlib(monkeypatch):
     _fake_lib(monkeypatch, "isal.isal_zlib", zlib.crc32)
     monkeypatch.setenv("HSX_CRC32", "zlib")
-    assert fmt._crc_backend()[0] == "zlib"
+    assert hsx.crc._crc_backend()[0] == "zlib"
     monkeypatch.setenv("HSX_CRC32", "isal")
-    assert fmt._crc_backend()[0] == "isal"
+    assert hsx.crc._crc_backend()[0] == "isal"
 
 
 @pytest.mark.parametrize("backend", ["zlib", "isal", "zlib-ng"])
 def test_real_backends_catch_every_record_flip_in_chunked_reads(tmp_path, monkeypatch, backend):
-    if fmt.use_crc_backend(backend) != backend:
+    if use_crc_backend(backend) != backend:
         pytest.skip(f"{backend} is not installed here")
     _, (entry,) = make_run(tmp_path, n=1, length=9)
     path = tmp_path / entry.path
-    monkeypatch.setattr(fmt, "_SMALL_FILE", 0)  # the pread + combine path, chunk edges inside records
-    monkeypatch.setattr(fmt, "_DIRECT_CRC_MAX", 0)
-    monkeypatch.setattr(fmt, "_CHUNK", 101)
-    monkeypatch.setattr(fmt, "_tls", threading.local())
-    fmt.check_shard(str(path), expect(), "full", entry)
+    monkeypatch.setattr(hsx.ziprecords, "SMALL_FILE", 0)  # the pread + combine path, chunk edges inside records
+    monkeypatch.setattr(hsx.crc, "_DIRECT_CRC_MAX", 0)
+    monkeypatch.setattr(hsx.crc, "_CHUNK", 101)
+    monkeypatch.setattr(hsx.crc, "_tls", threading.local())
+    check_shard(str(path), expect(), "full", entry)
     data = path.read_bytes()
     with open(path, "r+b") as f:
         for off in range(0, len(data), 37):
             os.pwrite(f.fileno(), bytes([data[off] ^ 0x04]), off)
-            with pytest.raises(fmt.ShardBad):
-                fmt.check_shard(str(path), expect(), "full", entry)
+            with pytest.raises(ShardBad):
+                check_shard(str(path), expect(), "full", entry)
             os.pwrite(f.fileno(), data[off : off + 1], off)
 
 
 def test_crc32_combine_repeats_a_length_from_its_cache():
     a, b, c = os.urandom(100), os.urandom(4099), os.urandom(4099)
-    first = fmt.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))
-    assert 4099 in fmt._SHIFT_OPS
-    assert fmt.crc32_combine(first, zlib.crc32(c), len(c)) == zlib.crc32(a + b + c)
+    first = crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))
+    assert 4099 in hsx.crc._SHIFT_OPS
+    assert crc32_combine(first, zlib.crc32(c), len(c)) == zlib.crc32(a + b + c)
 
 
 def _damage(tmp_path: Path, entries, every: int = 5) -> None:
@@ -123,12 +153,12 @@ def test_full_uses_threads_for_big_shards_and_agrees_with_one_worker(tmp_path, m
     _, entries = make_run(tmp_path, n=24, length=4)
     _damage(tmp_path, entries)
     (tmp_path / entries[1].path).write_bytes(b"junk")
-    one = fmt.verify_output(str(tmp_path), "full", workers=1)
-    monkeypatch.setattr(fmt, "_SMALL_FILE", 64)  # these shards now count as big: threads
+    one = verify_output(str(tmp_path), "full", workers=1)
+    monkeypatch.setattr(hsx.ziprecords, "SMALL_FILE", 64)  # these shards now count as big: threads
     seen: set[str] = set()
-    real = fmt._check_batch
-    monkeypatch.setattr(fmt, "_check_batch", lambda *a: seen.add(threading.current_thread().name) or real(*a))
-    two = fmt.verify_output(str(tmp_path), "full", workers=2)
+    real = check_batch
+    monkeypatch.setattr(hsx.verify.full, "check_batch", lambda *a: seen.add(threading.current_thread().name) or real(*a))
+    two = verify_output(str(tmp_path), "full", workers=2)
     assert seen and all("ThreadPoolExecutor" in n for n in seen)
     assert [(b.path, b.reason) for b in one.bad] == [(b.path, b.reason) for b in two.bad]
     assert len(one.bad) == 6 and (one.checked, one.ok, one.bytes) == (two.checked, two.ok, two.bytes)
@@ -140,17 +170,17 @@ def test_quick_forks_workers_and_agrees_with_one(tmp_path, monkeypatch):
     for e in entries[::4]:
         (tmp_path / e.path).write_bytes(b"PK junk")
     (tmp_path / entries[1].path).unlink()
-    one = fmt.verify_output(str(tmp_path), "quick", workers=1)
-    monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
-    monkeypatch.setattr(fmt, "_LIST_ALONGSIDE", True)  # whatever the number of cores here
-    monkeypatch.setattr(fmt, "_LAYOUTS", {})  # nothing learnt yet, as in a new `hsx verify`
+    one = verify_output(str(tmp_path), "quick", workers=1)
+    monkeypatch.setattr(hsx.verify.quick, "_FORK_MIN_QUICK", 1)
+    monkeypatch.setattr(hsx.verify.quick_split, "_LIST_ALONGSIDE", True)  # whatever the number of cores here
+    monkeypatch.setattr(hsx.verify.check, "_LAYOUTS", {})  # nothing learnt yet, as in a new `hsx verify`
     forks: list[int] = []
-    real = fmt._fork_map
+    real = fork_map
     monkeypatch.setattr(
-        fmt, "_fork_map", lambda fn, parts, *a: forks.append(len(parts)) or real(fn, parts, *a)
+        hsx.verify.quick_split, "fork_map", lambda fn, parts, *a: forks.append(len(parts)) or real(fn, parts, *a)
     )
     full_checks = tmp_path / "full-checks"  # appended to by every process (forked workers too)
-    real_slow, real_learn = fmt._QuickWorker._slow, fmt._QuickWorker._learn
+    real_slow, real_learn = QuickWorker._slow, QuickWorker._learn
 
     def note(line: str) -> None:
         with open(full_checks, "a") as f:
@@ -165,9 +195,9 @@ def test_quick_forks_workers_and_agrees_with_one(tmp_path, monkeypatch):
         note(f"learn-{'passed' if passed else 'failed'} {row[1]}")
         return passed
 
-    monkeypatch.setattr(fmt._QuickWorker, "_slow", slow)
-    monkeypatch.setattr(fmt._QuickWorker, "_learn", learn)
-    three = fmt.verify_output(str(tmp_path), "quick", workers=3)
+    monkeypatch.setattr(QuickWorker, "_slow", slow)
+    monkeypatch.setattr(QuickWorker, "_learn", learn)
+    three = verify_output(str(tmp_path), "quick", workers=3)
     assert forks == [4]  # the listing here, 3 workers checking what the index names
     assert [(b.path, b.reason) for b in one.bad] == [(b.path, b.reason) for b in three.bad]
     assert one.missing == three.missing == [entries[1].sample_id]
@@ -193,22 +223,22 @@ def test_forked_quick_lets_the_listing_decide_what_is_missing_irregular_or_unind
     w = ShardWriter(tmp_path, manifest())
     entries = [w.publish(f"s{i:03d}", **tensors(3 + i % 4, seed=i)) for i in range(12)]  # 4 sizes
     extra = [w.publish(f"u{i}", **tensors(4, seed=i)) for i in range(3)]
-    index = tmp_path / fmt.INDEX_NAME
+    index = tmp_path / INDEX_NAME
     index.write_bytes(
         b"".join(line for line in index.read_bytes().splitlines(keepends=True) if b'"u' not in line)
     )
     os.unlink(tmp_path / entries[5].path)
     os.mkfifo(tmp_path / entries[5].path)  # listed, not a regular file
-    one = fmt.verify_output(str(tmp_path), "quick", workers=1)
-    monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
-    monkeypatch.setattr(fmt, "_FORK_MIN_REDO", 2)
-    monkeypatch.setattr(fmt, "_LIST_ALONGSIDE", True)
+    one = verify_output(str(tmp_path), "quick", workers=1)
+    monkeypatch.setattr(hsx.verify.quick, "_FORK_MIN_QUICK", 1)
+    monkeypatch.setattr(hsx.verify.quick_split, "_FORK_MIN_REDO", 2)
+    monkeypatch.setattr(hsx.verify.quick_split, "_LIST_ALONGSIDE", True)
     forks: list[int] = []
-    real_fork = fmt._fork_map
+    real_fork = fork_map
     monkeypatch.setattr(
-        fmt, "_fork_map", lambda fn, parts, *a: forks.append(len(parts)) or real_fork(fn, parts, *a)
+        hsx.verify.quick_split, "fork_map", lambda fn, parts, *a: forks.append(len(parts)) or real_fork(fn, parts, *a)
     )
-    real_list = fmt._QuickWorker.list
+    real_list = QuickWorker.list
 
     def list_after_a_deletion(self, take, fds, opened=None):
         time.sleep(delay)
@@ -216,8 +246,8 @@ def test_forked_quick_lets_the_listing_decide_what_is_missing_irregular_or_unind
             os.unlink(tmp_path / entries[2].path)
         return real_list(self, take, fds, opened)
 
-    monkeypatch.setattr(fmt._QuickWorker, "list", list_after_a_deletion)
-    r = fmt.verify_output(str(tmp_path), "quick", workers=3)
+    monkeypatch.setattr(QuickWorker, "list", list_after_a_deletion)
+    r = verify_output(str(tmp_path), "quick", workers=3)
     assert forks[0] == 4 and len(forks) == 2  # listing + 3 workers; then the 4 full checks, forked
     assert r.missing == [entries[2].sample_id]
     assert r.unindexed == sorted(e.path for e in extra) == one.unindexed
@@ -235,11 +265,11 @@ def test_forked_quick_hands_out_chunks_so_a_slow_worker_takes_fewer(tmp_path, mo
     w = ShardWriter(tmp_path, manifest())
     for i in range(24):
         w.publish(f"s{i:03d}", **tensors(3 + i % 8, seed=i))  # 8 sizes: 8 chunks for 2 workers
-    one = fmt.verify_output(str(tmp_path), "quick", workers=1)
-    monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
-    monkeypatch.setattr(fmt, "_LIST_ALONGSIDE", alongside)
+    one = verify_output(str(tmp_path), "quick", workers=1)
+    monkeypatch.setattr(hsx.verify.quick, "_FORK_MIN_QUICK", 1)
+    monkeypatch.setattr(hsx.verify.quick_split, "_LIST_ALONGSIDE", alongside)
     parent, log = os.getpid(), tmp_path / "chunks"
-    real_check = fmt._QuickWorker._check
+    real_check = QuickWorker.check
 
     def check(self, jobs, progress):
         if os.getpid() == parent:
@@ -248,8 +278,8 @@ def test_forked_quick_hands_out_chunks_so_a_slow_worker_takes_fewer(tmp_path, mo
             f.write(f"{os.getpid()}\n")
         return real_check(self, jobs, progress)
 
-    monkeypatch.setattr(fmt._QuickWorker, "_check", check)
-    r = fmt.verify_output(str(tmp_path), "quick", workers=2)
+    monkeypatch.setattr(QuickWorker, "check", check)
+    r = verify_output(str(tmp_path), "quick", workers=2)
     assert (r.checked, r.ok, r.bytes) == (one.checked, one.ok, one.bytes) == (24, 24, one.bytes)
     takers = log.read_text().split()
     assert len(takers) == 8
@@ -262,21 +292,28 @@ def test_forked_quick_agrees_with_one_worker_on_big_shards_and_made_up_index_pat
     file can exist): workers opening what the index names agree with one worker, and do not fail."""
     w = ShardWriter(tmp_path, manifest())
     entries = [w.publish(f"s{i}", **tensors(20_000 + i, seed=i)) for i in range(6)]
-    assert all(e.size > fmt._SMALL_FILE for e in entries)
+    assert all(e.size > hsx.ziprecords.SMALL_FILE for e in entries)
     dot = "shards/" + entries[0].path.split("/")[1] + "/.hidden.pt"
     (tmp_path / dot).write_bytes((tmp_path / entries[0].path).read_bytes())
     made_up = [
-        {**fmt.index_record(entries[0]), "id": "dot", "path": dot},
-        {**fmt.index_record(entries[1]), "id": "nul", "path": entries[1].path[:10] + "a\0b.pt"},
-        {**fmt.index_record(entries[2]), "id": "surrogate", "path": entries[2].path[:10] + "a\ud800.pt"},
+        {**index_record(entries[0]), "id": "dot", "path": dot},
+        {**index_record(entries[1]), "id": "nul", "path": entries[1].path[:10] + "a\0b.pt"},
+        {**index_record(entries[2]), "id": "surrogate", "path": entries[2].path[:10] + "a\ud800.pt"},
     ]
-    fmt.append_index(str(tmp_path), made_up)
-    one = fmt.verify_output(str(tmp_path), "quick", workers=1)
-    monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
-    monkeypatch.setattr(fmt, "_LIST_ALONGSIDE", True)
-    three = fmt.verify_output(str(tmp_path), "quick", workers=3)
+    append_index(str(tmp_path), made_up)
+    one = verify_output(str(tmp_path), "quick", workers=1)
+    monkeypatch.setattr(hsx.verify.quick, "_FORK_MIN_QUICK", 1)
+    monkeypatch.setattr(hsx.verify.quick_split, "_LIST_ALONGSIDE", True)
+    three = verify_output(str(tmp_path), "quick", workers=3)
     for r in (one, three):
-        assert (r.checked, r.ok, r.missing) == (6, 6, ["dot", "nul", "surrogate"]), r.to_dict()
+        # issue #30 item 4: none of these is its sample's own shard path, so each is reported
+        # (and never opened), where before the listing called them missing
+        assert (r.checked, r.ok, r.missing) == (6, 6, []), r.to_dict()
+        assert [(b.sample_id, b.reason.endswith("(not touched)")) for b in r.bad] == [
+            ("dot", True),
+            ("nul", True),
+            ("surrogate", True),
+        ]
     assert (one.bytes, one.bad, one.unindexed, one.orphans) == (
         three.bytes,
         three.bad,
@@ -288,7 +325,7 @@ def test_forked_quick_agrees_with_one_worker_on_big_shards_and_made_up_index_pat
 def test_split_by_size_keeps_each_size_in_one_share_and_balances():
     sizes = [100] * 40 + [104] * 3 + [108] * 1 + [112] * 40 + [116] * 2 + [120] * 30
     jobs = [(size, f"f{i}", None, f"r{i}", None, True) for i, size in enumerate(sorted(sizes))]
-    shares = fmt._split_by_size(jobs, 3)
+    shares = split_by_size(jobs, 3)
     assert len(shares) == 3 and [j for s in shares for j in s] == jobs  # every job once, in order
     owners = {}
     for k, share in enumerate(shares):
@@ -297,8 +334,8 @@ def test_split_by_size_keeps_each_size_in_one_share_and_balances():
     assert all(20 <= len(s) <= 60 for s in shares), [len(s) for s in shares]
     # No fast path (size 0: real, large shards): every job a full check, cut anywhere, evenly.
     slow = [(0, f"f{i}", None, f"r{i}", None, True) for i in range(100)]
-    assert [len(s) for s in fmt._split_by_size(slow, 4)] == [25, 25, 25, 25]
-    assert [len(s) for s in fmt._split_by_size(jobs[:2], 4)] == [2, 0, 0, 0]
+    assert [len(s) for s in split_by_size(slow, 4)] == [25, 25, 25, 25]
+    assert [len(s) for s in split_by_size(jobs[:2], 4)] == [2, 0, 0, 0]
 
 
 def _pid(x: int) -> tuple[int, int]:
@@ -318,19 +355,19 @@ def _die_in_child(parent: int) -> int:
 
 
 def test_fork_map_runs_parts_in_children_and_reports_their_failures():
-    out = fmt._fork_map(_pid, [(0,), (1,), (2,)])
+    out = fork_map(_pid, [(0,), (1,), (2,)])
     assert [x for x, _ in out] == [0, 1, 2]
     assert out[0][1] == os.getpid() and len({p for _, p in out}) == 3
     with pytest.raises(RuntimeError, match="boom"):
-        fmt._fork_map(_fail_in_child, [(os.getpid(),), (os.getpid(),)])
+        fork_map(_fail_in_child, [(os.getpid(),), (os.getpid(),)])
     with pytest.raises(RuntimeError, match="died"):
-        fmt._fork_map(_die_in_child, [(os.getpid(),), (os.getpid(),)])
+        fork_map(_die_in_child, [(os.getpid(),), (os.getpid(),)])
 
 
-def _records(path: Path) -> dict[str, fmt.ZipRecord]:
+def _records(path: Path) -> dict[str, ZipRecord]:
     fd = os.open(path, os.O_RDONLY)
     try:
-        recs = fmt.read_zip_records(fmt._Reader(fd, os.fstat(fd).st_size))[0]
+        recs = read_zip_records(ShardReader(fd, os.fstat(fd).st_size))[0]
     finally:
         os.close(fd)
     return {r.name.split("/", 1)[1]: r for r in recs}
@@ -340,11 +377,11 @@ def test_layout_memo_ignores_only_varying_bytes(tmp_path, monkeypatch):
     _, (a, b) = make_run(tmp_path, n=2, length=6)
     pa, pb = tmp_path / a.path, tmp_path / b.path
     calls = []
-    real = fmt._inspect
-    monkeypatch.setattr(fmt, "_inspect", lambda r, e: calls.append(1) or real(r, e))
-    monkeypatch.setattr(fmt, "_LAYOUTS", {})
-    fmt.check_shard(str(pa), expect())
-    fmt.check_shard(str(pb), expect())
+    real = hsx.verify.check._inspect
+    monkeypatch.setattr(hsx.verify.check, "_inspect", lambda r, e: calls.append(1) or real(r, e))
+    monkeypatch.setattr(hsx.verify.check, "_LAYOUTS", {})
+    check_shard(str(pa), expect())
+    check_shard(str(pb), expect())
     assert len(calls) == 1  # b matched a's layout: not parsed
     recs = _records(pb)
     data = pb.read_bytes()
@@ -353,8 +390,8 @@ def test_layout_memo_ignores_only_varying_bytes(tmp_path, monkeypatch):
         before = len(calls)
         pb.write_bytes(data[:offset] + value + data[offset + len(value) :])
         try:
-            fmt.check_shard(str(pb), expect())
-        except fmt.ShardBad:
+            check_shard(str(pb), expect())
+        except ShardBad:
             pass
         return len(calls) - before
 
@@ -378,17 +415,17 @@ def test_layout_memo_ignores_only_varying_bytes(tmp_path, monkeypatch):
 
 
 def test_index_lines_not_written_by_us_still_follow_the_line_rule(tmp_path):
-    e = fmt.IndexEntry("a", "shards/00/a.pt", 10, "crc32:00000001", 3)
-    line = fmt.encode_index_line(fmt.index_record(e))
+    e = IndexEntry("a", "shards/00/a.pt", 10, "crc32:00000001", 3)
+    line = encode_index_line(index_record(e))
     upper = line[:-9] + line[-9:-1].upper() + b"\n"  # a valid CRC in capitals: accepted as before
     wrong = line[:-2] + (b"0" if line[-2:-1] != b"0" else b"1") + b"\n"
-    (tmp_path / fmt.INDEX_NAME).write_bytes(upper + wrong + line)
-    state = fmt.read_index(str(tmp_path))
+    (tmp_path / INDEX_NAME).write_bytes(upper + wrong + line)
+    state = read_index(str(tmp_path))
     assert state.entries == {"a": e} and state.bad_lines == 1
-    (tmp_path / fmt.INDEX_NAME).write_bytes(upper)
-    assert fmt.read_index(str(tmp_path)).entries == {"a": e}
-    (tmp_path / fmt.INDEX_NAME).write_bytes(b"\t00000000\n" + line)  # an empty body with its CRC
-    state = fmt.read_index(str(tmp_path))
+    (tmp_path / INDEX_NAME).write_bytes(upper)
+    assert read_index(str(tmp_path)).entries == {"a": e}
+    (tmp_path / INDEX_NAME).write_bytes(b"\t00000000\n" + line)  # an empty body with its CRC
+    state = read_index(str(tmp_path))
     assert state.entries == {"a": e} and state.bad_lines == 1
 
 
@@ -396,17 +433,17 @@ def test_one_directory_pass_finds_the_same_orphans(tmp_path):
     _, entries = make_run(tmp_path, n=3)
     bucket = (tmp_path / entries[0].path).parent
     for p in (
-        tmp_path / fmt.temp_name("run.json"),
-        tmp_path / fmt.SHARDS_DIR / fmt.temp_name("x.pt"),
-        bucket / fmt.temp_name("y.pt"),
+        tmp_path / temp_name("run.json"),
+        tmp_path / SHARDS_DIR / temp_name("x.pt"),
+        bucket / temp_name("y.pt"),
     ):
         p.write_bytes(b"partial")
-    os.mkdir(bucket / fmt.temp_name("dir.pt"))  # not a file: not an orphan
+    os.mkdir(bucket / temp_name("dir.pt"))  # not a file: not an orphan
     orphans: list[str] = []
-    shards = fmt._scan(str(tmp_path), orphans)
-    assert shards == fmt.scan_shards(str(tmp_path)) and len(shards) == 3
-    assert orphans == fmt.find_orphan_temps(str(tmp_path)) and len(orphans) == 3
-    assert fmt.verify_output(str(tmp_path)).orphans == orphans
+    shards = list_shards(str(tmp_path), orphans)
+    assert shards == scan_shards(str(tmp_path)) and len(shards) == 3
+    assert orphans == find_orphan_temps(str(tmp_path)) and len(orphans) == 3
+    assert verify_output(str(tmp_path)).orphans == orphans
 
 
 def _plain_reasons(root: Path, entries) -> dict[str, str | None]:
@@ -414,9 +451,9 @@ def _plain_reasons(root: Path, entries) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for e in entries:
         try:
-            fmt.check_shard(str(root / e.path), expect(), "quick", e)
+            check_shard(str(root / e.path), expect(), "quick", e)
             out[e.path] = None
-        except fmt.ShardBad as err:
+        except ShardBad as err:
             out[e.path] = str(err)
     return out
 
@@ -426,10 +463,10 @@ def test_quick_fast_path_sends_odd_files_to_the_plain_checks(tmp_path, monkeypat
     # Shards of one length: after one run every size has a known layout, so each file below
     # reaches the 3-system-call path and must still be judged exactly as check_shard judges it.
     # With workers, the folders listed before the checks or alongside them (_quick_split).
-    monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
-    monkeypatch.setattr(fmt, "_LIST_ALONGSIDE", alongside)
+    monkeypatch.setattr(hsx.verify.quick, "_FORK_MIN_QUICK", 1)
+    monkeypatch.setattr(hsx.verify.quick_split, "_LIST_ALONGSIDE", alongside)
     _, entries = make_run(tmp_path, n=12, length=4)
-    assert fmt.verify_output(str(tmp_path), "quick", workers=workers).ok == 12
+    assert verify_output(str(tmp_path), "quick", workers=workers).ok == 12
     p = [tmp_path / e.path for e in entries]
     data = p[0].read_bytes()
     p[0].unlink()
@@ -442,16 +479,16 @@ def test_quick_fast_path_sends_odd_files_to_the_plain_checks(tmp_path, monkeypat
     p[2].symlink_to(target)  # a symlink to a good shard
     p[3].write_bytes(p[3].read_bytes() + b"\0")  # one byte more than the index says
     p[4].write_bytes(p[4].read_bytes()[:-1])  # one byte less
-    fmt.append_index(str(tmp_path), [{**fmt.index_record(entries[5]), "size": entries[5].size + 1}])
-    fmt.append_index(str(tmp_path), [{**fmt.index_record(entries[6]), "num_tokens": 9}])
+    append_index(str(tmp_path), [{**index_record(entries[5]), "size": entries[5].size + 1}])
+    append_index(str(tmp_path), [{**index_record(entries[6]), "num_tokens": 9}])
     p[7].write_bytes(data)  # another sample's bytes: same size and layout, right tokens: passes
     flip(p[8], 40)  # inside the pickle
-    entries = list(fmt.load_index(str(tmp_path)).values())
+    entries = list(load_index(str(tmp_path)).values())
     plain = _plain_reasons(tmp_path, entries)
     signal.signal(signal.SIGALRM, lambda *_: pytest.fail("quick blocked on a file"))
     signal.alarm(20)
     try:
-        r = fmt.verify_output(str(tmp_path), "quick", workers=workers)
+        r = verify_output(str(tmp_path), "quick", workers=workers)
     finally:
         signal.alarm(0)
     assert {b.path: b.reason for b in r.bad} == {k: v for k, v in plain.items() if v is not None}
@@ -465,14 +502,14 @@ def test_quick_fast_path_sends_odd_files_to_the_plain_checks(tmp_path, monkeypat
 
 def test_quick_reads_known_small_shards_without_the_plain_checks(tmp_path, monkeypatch):
     _, entries = make_run(tmp_path, n=20, length=5)
-    fmt.verify_output(str(tmp_path), "quick")  # learns the layout
+    verify_output(str(tmp_path), "quick")  # learns the layout
     calls: list[str] = []
-    real = fmt.check_shard
-    monkeypatch.setattr(fmt, "check_shard", lambda path, *a, **k: calls.append(path) or real(path, *a, **k))
-    r = fmt.verify_output(str(tmp_path), "quick")
+    real = check_shard
+    monkeypatch.setattr(hsx.verify.check, "check_shard", lambda path, *a, **k: calls.append(path) or real(path, *a, **k))
+    r = verify_output(str(tmp_path), "quick")
     assert r.ok == 20 and r.bytes == sum(e.size for e in entries) and calls == []
     (tmp_path / entries[3].path).write_bytes(b"PK junk")
-    r = fmt.verify_output(str(tmp_path), "quick")
+    r = verify_output(str(tmp_path), "quick")
     assert calls == [str(tmp_path / entries[3].path)] and r.ok == 19
 
 
@@ -489,41 +526,41 @@ def test_quick_keeps_two_layouts_of_one_size_on_the_fast_path(tmp_path, monkeypa
         data = alt.read_bytes()
         assert len(data) == e.size and b"abcdefg/data.pkl" in data
         os.replace(alt, tmp_path / e.path)
-        crc = fmt.checksum_string(zlib.crc32(data))
-        records.append(fmt.index_record(fmt.IndexEntry(e.sample_id, e.path, e.size, crc, e.num_tokens)))
-    fmt.append_index(str(tmp_path), records)
-    monkeypatch.setattr(fmt, "_LAYOUTS", {})
-    assert fmt.verify_output(str(tmp_path), "full").ok == 8
-    fmt.verify_output(str(tmp_path), "quick")  # learns both
+        crc = checksum_string(zlib.crc32(data))
+        records.append(index_record(IndexEntry(e.sample_id, e.path, e.size, crc, e.num_tokens)))
+    append_index(str(tmp_path), records)
+    monkeypatch.setattr(hsx.verify.check, "_LAYOUTS", {})
+    assert verify_output(str(tmp_path), "full").ok == 8
+    verify_output(str(tmp_path), "quick")  # learns both
     e = expect()
-    assert len(fmt._LAYOUTS[(entries[0].size, e.hidden_size, e.num_aux, e.dtype)]) == 2
+    assert len(hsx.verify.check._LAYOUTS[(entries[0].size, e.hidden_size, e.num_aux, e.dtype)]) == 2
     calls: list[str] = []
-    real = fmt.check_shard
-    monkeypatch.setattr(fmt, "check_shard", lambda path, *a, **k: calls.append(path) or real(path, *a, **k))
-    r = fmt.verify_output(str(tmp_path), "quick")
+    real = check_shard
+    monkeypatch.setattr(hsx.verify.check, "check_shard", lambda path, *a, **k: calls.append(path) or real(path, *a, **k))
+    r = verify_output(str(tmp_path), "quick")
     assert r.ok == 8 and calls == []
 
 
 def _rows_of(root: Path) -> dict[str, tuple]:
     return {
         e.sample_id: (e.sample_id, e.path, e.size, e.checksum, e.num_tokens)
-        for e in fmt.read_index(str(root)).entries.values()
+        for e in read_index(str(root)).entries.values()
     }
 
 
 def test_index_rows_take_only_lines_written_by_us_and_agree_with_read_index(tmp_path):
     _, entries = make_run(tmp_path, n=5)
-    index = tmp_path / fmt.INDEX_NAME
+    index = tmp_path / INDEX_NAME
     good = index.read_bytes()
     lines = good.splitlines(keepends=True)
-    assert fmt._index_rows(lines) == _rows_of(tmp_path) and len(_rows_of(tmp_path)) == 5
+    assert index_rows(lines) == _rows_of(tmp_path) and len(_rows_of(tmp_path)) == 5
     e = entries[0]
     odd = [
-        fmt.encode_index_line(fmt.tombstone_record(e.sample_id, "bad")),  # a tombstone
-        fmt.encode_index_line({**fmt.index_record(e), "size": str(e.size)}),  # converted by read_index
-        fmt.encode_index_line({**fmt.index_record(e), "size": True}),
-        fmt.encode_index_line({**fmt.index_record(e), "removed": False}),  # another key
-        fmt.encode_index_line({**fmt.index_record(e), "path": 7}),
+        encode_index_line(tombstone_record(e.sample_id, "bad")),  # a tombstone
+        encode_index_line({**index_record(e), "size": str(e.size)}),  # converted by read_index
+        encode_index_line({**index_record(e), "size": True}),
+        encode_index_line({**index_record(e), "removed": False}),  # another key
+        encode_index_line({**index_record(e), "path": 7}),
         lines[0][:-9] + lines[0][-9:-1].upper() + b"\n",  # a valid CRC in capitals
         lines[0][:-2] + b"x\n",  # a damaged line
         lines[0][:-1],  # a torn tail
@@ -531,50 +568,55 @@ def test_index_rows_take_only_lines_written_by_us_and_agree_with_read_index(tmp_
     ]
     for extra in odd:
         index.write_bytes(good + extra)
-        assert fmt._index_rows((good + extra).splitlines(keepends=True)) is None, extra
+        assert index_rows((good + extra).splitlines(keepends=True)) is None, extra
         # verify_output then replays the index line by line, as read_index does
-        r = fmt.verify_output(str(tmp_path), "quick")
-        state = fmt.read_index(str(tmp_path))
+        r = verify_output(str(tmp_path), "quick")
+        state = read_index(str(tmp_path))
         assert r.index_bad_lines == state.bad_lines
         assert r.checked == 5 and len(r.missing) + r.ok + len(r.bad) >= 5
-    index.write_bytes(good + fmt.encode_index_line({**fmt.index_record(e), "sample": 1}))
-    assert fmt._index_rows(index.read_bytes().splitlines(keepends=True)) is None
+    index.write_bytes(good + encode_index_line({**index_record(e), "sample": 1}))
+    assert index_rows(index.read_bytes().splitlines(keepends=True)) is None
 
 
 def test_index_rows_later_lines_win_and_paths_outside_go_the_plain_way(tmp_path):
     _, entries = make_run(tmp_path, n=3)
     e = entries[1]
-    fmt.append_index(str(tmp_path), [{**fmt.index_record(e), "num_tokens": 42}])
-    lines = (tmp_path / fmt.INDEX_NAME).read_bytes().splitlines(keepends=True)
-    assert fmt._index_rows(lines) == _rows_of(tmp_path) and _rows_of(tmp_path)[e.sample_id][4] == 42
-    r = fmt.verify_output(str(tmp_path), "quick")
+    append_index(str(tmp_path), [{**index_record(e), "num_tokens": 42}])
+    lines = (tmp_path / INDEX_NAME).read_bytes().splitlines(keepends=True)
+    assert index_rows(lines) == _rows_of(tmp_path) and _rows_of(tmp_path)[e.sample_id][4] == 42
+    r = verify_output(str(tmp_path), "quick")
     assert [b.reason for b in r.bad] == [f"{e.num_tokens} tokens, the index says 42"]
-    fmt.append_index(str(tmp_path), [{**fmt.index_record(entries[0]), "id": "a-twin"}])  # one path, two ids
-    lines = (tmp_path / fmt.INDEX_NAME).read_bytes().splitlines(keepends=True)
-    assert fmt._index_rows(lines) == _rows_of(tmp_path)
+    append_index(str(tmp_path), [{**index_record(entries[0]), "id": "a-twin"}])  # one path, two ids
+    lines = (tmp_path / INDEX_NAME).read_bytes().splitlines(keepends=True)
+    assert index_rows(lines) == _rows_of(tmp_path)
     (tmp_path / entries[0].path).write_bytes(b"junk")
-    r = fmt.verify_output(str(tmp_path), "quick")  # the later id in sorted order owns the path
-    bad = sorted((b.sample_id, b.path) for b in r.bad)
-    assert bad == [(entries[0].sample_id, entries[0].path), (e.sample_id, e.path)]
+    r = verify_output(str(tmp_path), "quick")
+    # issue #30 item 4: two entries naming one shard are both reported, with both ids, and the
+    # shard they name is then an unindexed file with a verdict of its own (before: the later id in
+    # sorted order owned the path, and the other entry's lost shard went unseen)
+    bad = sorted((b.sample_id or "", b.path) for b in r.bad)
+    path0 = entries[0].path
+    assert bad == [("", path0), ("a-twin", path0), (entries[0].sample_id, path0), (e.sample_id, e.path)]
+    assert r.unindexed == [path0]
     other = tmp_path / "other"
     _, entries = make_run(other, n=3)
-    fmt.append_index(str(other), [{**fmt.index_record(entries[2]), "path": "../x.pt"}])
-    r = fmt.verify_output(str(other), "quick")
+    append_index(str(other), [{**index_record(entries[2]), "path": "../x.pt"}])
+    r = verify_output(str(other), "quick")
     assert [b.reason for b in r.bad] == ["index entry points outside shards/ (not touched)"]
     assert r.unindexed == [entries[2].path] and r.ok == 3
 
 
 def test_forked_quick_workers_are_collected(tmp_path, monkeypatch):
-    monkeypatch.setattr(fmt, "_FORK_MIN_QUICK", 1)
+    monkeypatch.setattr(hsx.verify.quick, "_FORK_MIN_QUICK", 1)
     make_run(tmp_path, n=8)
     for _ in range(3):
-        assert fmt.verify_output(str(tmp_path), "quick", workers=3).ok == 8
+        assert verify_output(str(tmp_path), "quick", workers=3).ok == 8
     for _ in range(100):
-        fmt._reap([])
-        if not fmt._EXITING:
+        reap([])
+        if not hsx.verify.pool._EXITING:
             break
         time.sleep(0.05)
-    assert fmt._EXITING == []
+    assert hsx.verify.pool._EXITING == []
 
 
 @pytest.mark.parametrize("order", [0, 1, 2, 3])
@@ -587,13 +629,13 @@ def test_quick_learning_from_read_bytes_gives_check_shards_verdicts(tmp_path, mo
     data = (tmp_path / short.path).read_bytes()
     (tmp_path / short.path).write_bytes(data[:-7])
     (tmp_path / longer.path).write_bytes((tmp_path / longer.path).read_bytes() + b"\0")
-    fmt.append_index(str(tmp_path), [{**fmt.index_record(tokens), "num_tokens": 99}])
-    rows = fmt.load_index(str(tmp_path))
-    want = fmt._check_batch(
+    append_index(str(tmp_path), [{**index_record(tokens), "num_tokens": 99}])
+    rows = load_index(str(tmp_path))
+    want = check_batch(
         str(tmp_path), [(e.path, rows[e.sample_id]) for e in entries], "quick", expect(), None
     )
-    monkeypatch.setattr(fmt, "_LAYOUTS", {})
-    r = fmt.verify_output(str(tmp_path), "quick")
+    monkeypatch.setattr(hsx.verify.check, "_LAYOUTS", {})
+    r = verify_output(str(tmp_path), "quick")
     assert sorted((b.path, b.reason) for b in r.bad) == sorted((p, why) for p, _, why in want[3])
     assert len(r.bad) == 3 and r.ok == want[1] == 1
 
@@ -601,14 +643,14 @@ def test_quick_learning_from_read_bytes_gives_check_shards_verdicts(tmp_path, mo
 @pytest.mark.parametrize("cpus,workers", [(1, 1), (2, 2), (4, 3), (16, 15), (17, 16), (128, 16)])
 def test_default_workers_leave_a_core_for_the_listing(monkeypatch, cpus, workers):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
-    assert fmt.default_workers() == workers
+    assert default_workers() == workers
 
 
 def test_usable_cores_are_the_affinity_not_the_host(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {3, 5, 7})  # taskset -c 3,5,7
-    assert fmt.usable_cores() == 3 and fmt.default_workers() == 2
+    assert hsx.cores.usable_cores() == 3 and default_workers() == 2
     monkeypatch.delattr(os, "sched_getaffinity")  # not on Linux
-    assert fmt.usable_cores() == 64
+    assert hsx.cores.usable_cores() == 64
     monkeypatch.setattr(os, "cpu_count", lambda: None)
-    assert fmt.usable_cores() == 1
+    assert hsx.cores.usable_cores() == 1

@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
 from ansible.module_utils.testing import patch_module_args
+from ansible_modules import register_module_utils
 from shard_helpers import flip, make_run, tree
+
+from hsx.index import append_index, index_record
+from hsx.layout import INDEX_NAME, shard_relpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_module():
-    """Load the module as Ansible would: hsx_shard_format from module_utils (the symlinked file)."""
-    name = "ansible.module_utils.hsx_shard_format"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "module_utils" / "hsx_shard_format.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
+    """Load the module as Ansible would: the core as ansible.module_utils.hsx, from module_utils/."""
+    register_module_utils()
     spec = importlib.util.spec_from_file_location("shard_verify_module", ROOT / "library" / "shard_verify.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -85,6 +87,40 @@ def test_not_a_run_fails_with_the_path(capsys, tmp_path):
     assert r["failed"] and "nope" in r["msg"]
 
 
+def test_hostile_files_and_lines_are_verdicts_not_exceptions(capsys, tmp_path, monkeypatch):
+    """Issue #30: a sparse file declaring a 3 GiB central directory (MemoryError before), a line
+    nested past the JSON parser's recursion (RecursionError before) and a second entry naming
+    s000's shard (a lost sample hidden before): each a verdict in the module's result."""
+    _, entries = make_run(tmp_path, n=2)
+    sparse = tmp_path / shard_relpath("sparse")
+    sparse.parent.mkdir(parents=True, exist_ok=True)
+    size = 3 << 30
+    with open(sparse, "wb") as f:
+        f.truncate(size - 22)
+        f.seek(0, os.SEEK_END)
+        f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, size - 22, 0, 0))
+    sparse_entry = {**index_record(entries[1]), "id": "sparse", "path": shard_relpath("sparse"), "size": size}
+    append_index(str(tmp_path), [sparse_entry, {**index_record(entries[0]), "id": "twin"}])
+    nest = b"[" * 100_000 + b"]" * 100_000
+    with open(tmp_path / INDEX_NAME, "ab") as f:
+        f.write(nest + b"\t%08x\n" % zlib.crc32(nest))
+    real = os.pread
+
+    def pread(fd, n, offset):  # a host without the memory for a multi-gigabyte read
+        if n > 64 << 20:
+            raise MemoryError(f"a read of {n} bytes")
+        return real(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", pread)
+    r = run_module(capsys, path=str(tmp_path), level="quick", workers=1)
+    assert not r.get("failed"), r
+    bad = {b["sample_id"]: b["reason"] for b in r["bad"]}
+    assert set(bad) == {"s000", "twin", "sparse"} and r["bad_count"] == 3
+    assert bad["sparse"].startswith("central directory of")
+    assert "'s000', 'twin'" in bad["s000"] and bad["s000"] == bad["twin"]
+    assert r["checked"] == 3 and r["ok"] == 2 and r["unindexed"] == [entries[0].path]
+
+
 def test_deep_without_torch_is_a_clear_missing_lib(capsys, tmp_path, monkeypatch):
     make_run(tmp_path, n=1)
     monkeypatch.setattr(shard_verify, "deep_check", None)
@@ -99,22 +135,22 @@ def test_deep_with_torch(capsys, tmp_path):
 
 
 def test_module_runs_on_a_host_without_torch_or_the_package(tmp_path):
-    """quick/full through the module with only the stdlib + ansible importable (no torch, no extraction)."""
+    """quick/full through the module with only the stdlib + ansible importable (no torch, no extraction, no hsx)."""
     make_run(tmp_path, n=2)
     code = f"""
 import sys, builtins
 real = builtins.__import__
 def guard(name, *a, **k):
-    if name.split('.')[0] in ('torch', 'extraction', 'numpy'):
+    if name.split('.')[0] in ('torch', 'extraction', 'numpy', 'hsx'):
         raise ImportError('not on this host: ' + name)
     return real(name, *a, **k)
 builtins.__import__ = guard
 import importlib.util
-spec = importlib.util.spec_from_file_location('ansible.module_utils.hsx_shard_format', {str(ROOT / "module_utils" / "hsx_shard_format.py")!r})
-m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; spec.loader.exec_module(m)
+import ansible.module_utils
+ansible.module_utils.__path__.append({str(ROOT / "module_utils")!r})
 spec = importlib.util.spec_from_file_location('sv', {str(ROOT / "library" / "shard_verify.py")!r})
 sv = importlib.util.module_from_spec(spec); spec.loader.exec_module(sv)
-assert sv.deep_check is None and 'torch' not in sys.modules
+assert sv.deep_check is None and 'torch' not in sys.modules and 'hsx' not in sys.modules
 from ansible.module_utils.testing import patch_module_args
 with patch_module_args({{'path': {str(tmp_path)!r}, 'level': 'full', 'workers': 2}}):
     sv.main()

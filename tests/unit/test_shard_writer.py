@@ -13,19 +13,18 @@ from shard_helpers import H, K, make_run, manifest, tensors
 
 from extraction.shards import (
     DiskFullError,
-    ManifestError,
     ManifestMismatchError,
     ShardDataError,
     ShardWriter,
-    load_index,
-    manifest_mismatches,
-    read_manifest,
     remove_orphan_temps,
-    shard_relpath,
-    write_manifest,
 )
-from extraction.shards import format as fmt
 from extraction.shards import writer as writer_mod
+from hsx.fsutil import find_orphan_temps
+from hsx.index import checksum_string, encode_index_line, load_index
+from hsx.layout import INDEX_NAME, SHARD_KEYS, bucket_of, shard_relpath, temp_name
+from hsx.manifest import ManifestError, manifest_mismatches, read_manifest, write_manifest
+from hsx.verify import verify_output
+from hsx.verify.check import Expect, check_shard
 
 
 def test_published_shard_is_the_specforge_dict(tmp_path):
@@ -33,9 +32,9 @@ def test_published_shard_is_the_specforge_dict(tmp_path):
     path = tmp_path / entry.path
     assert entry.path == shard_relpath("s000") and entry.num_tokens == 6
     assert entry.size == path.stat().st_size
-    assert entry.checksum == fmt.checksum_string(__import__("zlib").crc32(path.read_bytes()))
+    assert entry.checksum == checksum_string(__import__("zlib").crc32(path.read_bytes()))
     data = torch.load(path, mmap=True, weights_only=True)
-    assert list(data) == list(fmt.SHARD_KEYS)
+    assert list(data) == list(SHARD_KEYS)
     assert data["input_ids"].dtype == torch.int64 and data["input_ids"].shape == (6,)
     assert data["loss_mask"].shape == (6,)
     assert data["hidden_state"].shape == (1, 6, H) and data["hidden_state"].dtype == torch.bfloat16
@@ -113,7 +112,7 @@ def test_disk_full_leaves_no_final_file_and_no_temp(tmp_path, monkeypatch):
         w.publish("full", **tensors(5))
     assert exc.value.errno == errno.ENOSPC
     assert not (tmp_path / shard_relpath("full")).exists()
-    assert fmt.find_orphan_temps(str(tmp_path)) == [] and set(load_index(tmp_path)) == {"s000"}
+    assert find_orphan_temps(str(tmp_path)) == [] and set(load_index(tmp_path)) == {"s000"}
 
 
 class _TempFileWrapper:
@@ -163,7 +162,7 @@ def test_disk_full_while_indexing_takes_the_shard_back(tmp_path, monkeypatch):
     def no_space(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(writer_mod.fmt, "write_index_bytes", no_space)
+    monkeypatch.setattr(writer_mod, "write_index_bytes", no_space)
     with pytest.raises(DiskFullError):
         w.publish("x", **tensors(5))
     assert not (tmp_path / shard_relpath("x")).exists()
@@ -174,7 +173,7 @@ def test_disk_full_part_way_through_a_batch_index_write_leaves_no_line_of_it(tmp
     taken back, and so are the lines already written (the index is cut back to where it ended)."""
     w = ShardWriter(tmp_path, manifest())
     w.publish("kept", **tensors(4))
-    before = (tmp_path / fmt.INDEX_NAME).read_bytes()
+    before = (tmp_path / INDEX_NAME).read_bytes()
     entries = [w.write(f"b{i}", **tensors(4, seed=i)) for i in range(4)]
     real, calls = os.write, []
 
@@ -184,12 +183,12 @@ def test_disk_full_part_way_through_a_batch_index_write_leaves_no_line_of_it(tmp
             return real(fd, bytes(data[: len(data) // 2 + 80]))  # more than one whole line
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(fmt.os, "write", half_then_full)
+    monkeypatch.setattr(os, "write", half_then_full)
     with pytest.raises(DiskFullError):
         w.commit(entries)
     monkeypatch.undo()
     assert len(calls) == 2
-    assert (tmp_path / fmt.INDEX_NAME).read_bytes() == before
+    assert (tmp_path / INDEX_NAME).read_bytes() == before
     assert set(load_index(tmp_path)) == {"kept"}
     assert not any((tmp_path / e.path).exists() for e in entries)
 
@@ -200,30 +199,30 @@ def test_a_failed_index_write_leaves_lines_another_process_appended_meanwhile(tm
     w = ShardWriter(tmp_path, manifest())
     w.publish("kept", **tensors(4))
     entries = [w.write(f"b{i}", **tensors(4, seed=i)) for i in range(2)]
-    other = fmt.encode_index_line({"sample_id": "tomb", "tombstone": True})
+    other = encode_index_line({"sample_id": "tomb", "tombstone": True})
     real, calls = os.write, []
 
     def partial_then_another_appender_then_full(fd, data):
         calls.append(1)
         if len(calls) == 1:
             return real(fd, bytes(data[:10]))
-        with open(tmp_path / fmt.INDEX_NAME, "ab") as f:
+        with open(tmp_path / INDEX_NAME, "ab") as f:
             f.write(other)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(fmt.os, "write", partial_then_another_appender_then_full)
+    monkeypatch.setattr(os, "write", partial_then_another_appender_then_full)
     with pytest.raises(DiskFullError):
         w.commit(entries)
     monkeypatch.undo()
-    assert (tmp_path / fmt.INDEX_NAME).read_bytes().endswith(other)
+    assert (tmp_path / INDEX_NAME).read_bytes().endswith(other)
 
 
 def test_orphan_temps_are_removed_at_startup(tmp_path):
     w, entries = make_run(tmp_path, n=2)
     bucket = (tmp_path / entries[0].path).parent
-    (bucket / fmt.temp_name("s000.pt")).write_bytes(b"partial")
+    (bucket / temp_name("s000.pt")).write_bytes(b"partial")
     (tmp_path / "shards" / ".loose.tmp").write_bytes(b"x")
-    (tmp_path / fmt.temp_name("run.json")).write_bytes(b"{")
+    (tmp_path / temp_name("run.json")).write_bytes(b"{")
     assert remove_orphan_temps(tmp_path) == 3
     assert w.remove_orphan_temps() == 0
     assert all((tmp_path / e.path).exists() for e in entries)
@@ -246,7 +245,7 @@ def test_publish_from_threads(tmp_path):
     for t in threads:
         t.join()
     assert not errors and len(load_index(tmp_path)) == 30
-    assert fmt.verify_output(str(tmp_path), "full").exit_code == 0
+    assert verify_output(str(tmp_path), "full").exit_code == 0
 
 
 def test_republish_replaces_atomically(tmp_path):
@@ -274,9 +273,9 @@ def test_written_bytes_equal_torch_save_and_the_checksum_is_of_those_bytes(tmp_p
     entry = w.publish("s", **t)
     got = (tmp_path / entry.path).read_bytes()
     assert got == want
-    assert entry.size == len(got) and entry.checksum == fmt.checksum_string(__import__("zlib").crc32(got))
-    assert fmt.check_shard(
-        str(tmp_path / entry.path), fmt.Expect.from_manifest(manifest().to_dict()), "full", entry
+    assert entry.size == len(got) and entry.checksum == checksum_string(__import__("zlib").crc32(got))
+    assert check_shard(
+        str(tmp_path / entry.path), Expect.from_manifest(manifest().to_dict()), "full", entry
     )
 
 
@@ -305,7 +304,7 @@ def test_enospc_from_writev_is_disk_full_and_leaves_nothing(tmp_path, monkeypatc
     monkeypatch.setattr(writer_mod.os, "writev", full)
     with pytest.raises(DiskFullError):
         w.publish("s", **tensors(5))
-    assert fmt.find_orphan_temps(str(tmp_path)) == [] and not (tmp_path / shard_relpath("s")).exists()
+    assert find_orphan_temps(str(tmp_path)) == [] and not (tmp_path / shard_relpath("s")).exists()
     assert load_index(tmp_path) == {}
 
 
@@ -318,7 +317,7 @@ def test_without_a_checked_layout_torch_save_writes_the_same_bytes(tmp_path, mon
     t["hidden_state"] = batch[2].copy_(t["hidden_state"])
     entry = w.publish("s", **t)
     assert (tmp_path / entry.path).read_bytes() == want
-    assert entry.checksum == fmt.checksum_string(
+    assert entry.checksum == checksum_string(
         __import__("zlib").crc32((tmp_path / entry.path).read_bytes())
     )
 
@@ -328,7 +327,7 @@ def test_a_shard_opens_only_its_temp_file_once_its_folder_and_the_index_are_open
     is a GIL hand-over the forward pass waits on. close() closes them; publishing reopens."""
     w = ShardWriter(tmp_path, manifest())
     w.publish("first", **tensors(4))
-    sid = next(f"x{i}" for i in range(1000) if fmt.bucket_of(f"x{i}") == fmt.bucket_of("first"))
+    sid = next(f"x{i}" for i in range(1000) if bucket_of(f"x{i}") == bucket_of("first"))
     opened: list[str] = []
     real_open = os.open
     monkeypatch.setattr(
@@ -343,7 +342,7 @@ def test_a_shard_opens_only_its_temp_file_once_its_folder_and_the_index_are_open
             os.fstat(fd)
     w.publish("third", **tensors(4))
     assert set(load_index(tmp_path)) == {"first", sid, "third"}
-    assert any(p.endswith(fmt.INDEX_NAME) for p in opened)
+    assert any(p.endswith(INDEX_NAME) for p in opened)
     w.close()
 
 
@@ -365,4 +364,4 @@ def test_torch_save_fallback_continues_short_writes(tmp_path, monkeypatch):
     assert entry.size == path.stat().st_size > 1000 * 10
     data = torch.load(path, weights_only=True)
     assert torch.equal(data["input_ids"], t["input_ids"])
-    assert fmt.check_shard(str(path), fmt.Expect.from_manifest(manifest().to_dict()), "full", entry)
+    assert check_shard(str(path), Expect.from_manifest(manifest().to_dict()), "full", entry)

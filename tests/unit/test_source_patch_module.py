@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 import sglang_wheels  # noqa: E402
 
-from extraction.sglang.patchdef import SGLANG_DUMP_PATCH_V1  # noqa: E402
-from extraction.sglang.versions import SUPPORTED_VERSIONS, UNSUPPORTED_EXAMPLE  # noqa: E402
+from hsx.sglang_patch import SGLANG_DUMP_PATCH_V1  # noqa: E402
+from hsx.sglang_versions import SUPPORTED_VERSIONS, UNSUPPORTED_EXAMPLE  # noqa: E402
 
 source_patch = load_module("source_patch")
 

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from extraction.cli import main
-from extraction.status import StatusReporter, pid_alive, read_status
+from hsx.status import StatusReporter, pid_alive, read_status
 
 
 def _status(out: Path, done: int, total: int, state: str = "running", pid: int | None = None, **kw) -> None:

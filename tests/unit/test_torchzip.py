@@ -9,17 +9,17 @@ import zlib
 import pytest
 import torch
 
-from extraction.shards import format as fmt
 from extraction.shards import torchzip
+from hsx.layout import KEY_AUX, KEY_HIDDEN, KEY_INPUT_IDS, KEY_LOSS_MASK
 
 
 def _payload(length: int, hidden: int, dtype: torch.dtype, k: int = 3, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
-        fmt.KEY_INPUT_IDS: torch.randint(0, 50_000, (length,), generator=g),
-        fmt.KEY_LOSS_MASK: torch.randint(0, 2, (length,), generator=g),
-        fmt.KEY_HIDDEN: torch.randn(1, length, hidden, generator=g).to(dtype),
-        fmt.KEY_AUX: torch.randn(1, length, k * hidden, generator=g).to(dtype),
+        KEY_INPUT_IDS: torch.randint(0, 50_000, (length,), generator=g),
+        KEY_LOSS_MASK: torch.randint(0, 2, (length,), generator=g),
+        KEY_HIDDEN: torch.randn(1, length, hidden, generator=g).to(dtype),
+        KEY_AUX: torch.randn(1, length, k * hidden, generator=g).to(dtype),
     }
 
 
@@ -51,7 +51,7 @@ def test_tensor_pieces_are_the_tensors_memory():
     layout, _ = torchzip.layout_for(torch.bfloat16)
     payload = _payload(6, 4, torch.bfloat16)
     pieces = layout.encode(payload).pieces
-    hidden = payload[fmt.KEY_HIDDEN]
+    hidden = payload[KEY_HIDDEN]
     view = [p for p in pieces if isinstance(p, memoryview)][2]  # records in key order
     assert len(view) == hidden.numel() * 2
     hidden.view(-1)[0] = 7.0  # the piece sees the change: it is the tensor's memory, not a copy
@@ -95,7 +95,7 @@ def test_records_past_4_gib_are_refused(monkeypatch):
             return 1 << 32
 
     original = torchzip.tensor_buffer
-    monkeypatch.setattr(torchzip, "tensor_buffer", lambda t: Huge() if t is payload[fmt.KEY_AUX] else original(t))
+    monkeypatch.setattr(torchzip, "tensor_buffer", lambda t: Huge() if t is payload[KEY_AUX] else original(t))
     with pytest.raises(ValueError, match="4 GiB"):
         layout.encode(payload)
 

@@ -53,6 +53,20 @@ def test_source_digest_follows_content_not_timestamps(tmp_path):
     assert source_digest(src, src / "constraints.txt") != before
 
 
+
+def test_source_digest_follows_the_core_package_too(tmp_path):
+    """The wheel holds module_utils/hsx as `hsx`: a change there is a change of the wheel."""
+    src = tmp_path / "src"
+    (src / "extraction").mkdir(parents=True)
+    (src / "module_utils" / "hsx").mkdir(parents=True)
+    (src / "pyproject.toml").write_text("[project]\nname='x'\n")
+    (src / "constraints.txt").write_text("torch==2.13.0\n")
+    core = src / "module_utils" / "hsx" / "layout.py"
+    core.write_text("A = 1\n")
+    before = source_digest(src, src / "constraints.txt")
+    core.write_text("A = 2\n")
+    assert source_digest(src, src / "constraints.txt") != before
+
 def test_a_manifest_is_complete_only_with_every_file(tmp_path):
     make_wheels(tmp_path, ["p-1-py3-none-any.whl", "d-1-py3-none-any.whl"])
     manifest = {"package_wheel": "p-1-py3-none-any.whl", "wheels": ["p-1-py3-none-any.whl", "d-1-py3-none-any.whl"]}

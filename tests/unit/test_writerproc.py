@@ -24,11 +24,10 @@ from shard_helpers import manifest, tensors
 from extraction.backends.hf import HFBackend
 from extraction.diskguard import DiskGuard
 from extraction.publisher import BatchPublisher
-from extraction.runner import EXIT_FAILED, EXIT_OK, Runner
+from extraction.runner import Runner, publish_process
+from extraction.runner.publish_process import ProcessPublisher
 from extraction.shards import ShardWriter
-from extraction.shards import format as fmt
 from extraction.shards.verify import verify_output
-from extraction.status import read_status
 from extraction.tiny import write_tiny_dataset
 from extraction.writerproc import (
     ALIGN,
@@ -41,6 +40,10 @@ from extraction.writerproc import (
     WriterProcess,
     copy_into,
 )
+from hsx.exitcodes import EXIT_FAILED, EXIT_OK
+from hsx.index import load_index
+from hsx.layout import INDEX_NAME, shard_relpath
+from hsx.status import read_status
 
 N = 16
 
@@ -164,9 +167,9 @@ def test_batches_published_by_the_child_and_nothing_after_abandon(tmp_path: Path
         assert wp.wait() == "exit status 0"
     finally:
         wp.close()
-    assert sorted(fmt.load_index(str(tmp_path))) == ["a", "b"]
+    assert sorted(load_index(str(tmp_path))) == ["a", "b"]
     for sid, want in (("a", tensors(5, 1)), ("b", tensors(5, 2))):
-        got = torch.load(tmp_path / fmt.shard_relpath(sid), weights_only=True)
+        got = torch.load(tmp_path / shard_relpath(sid), weights_only=True)
         assert torch.equal(got["aux_hidden_state"][0], want["aux_hidden_state"].to(torch.bfloat16))
 
 
@@ -228,7 +231,7 @@ def test_the_writer_process_killed_mid_run_fails_the_run_cleanly_and_resume_comp
     assert any("the writer process ended without finishing (killed by SIGKILL)" in m for m in logs), logs
     status = read_status(str(out))
     assert status["state"] == "failed" and "writer process" in status["message"]
-    index = fmt.load_index(str(out))
+    index = load_index(str(out))
     assert len(index) == 2
     report = verify_output(str(out), "deep")
     assert report.exit_code == 0 and report.ok == len(index)
@@ -259,7 +262,7 @@ def test_a_send_that_fails_in_the_forward_thread_stops_the_run_with_its_reason(
     assert any("the writer failed: RuntimeError: cannot send" in m for m in logs), logs
     assert calls["n"] == 3  # nothing sent after it
     assert read_status(str(out))["state"] == "failed"
-    assert len(fmt.load_index(str(out))) == 2
+    assert len(load_index(str(out))) == 2
     report = verify_output(str(out), "deep")
     assert report.exit_code == 0 and report.ok == 2
 
@@ -275,7 +278,7 @@ def test_a_bug_in_the_writer_process_fails_the_run_with_its_reason(env, tmp_path
     logs: list[str] = []
     assert run(make_cfg(model, ds, out, batch_size=2), backend, logs) == EXIT_FAILED
     assert any("the writer process failed: RuntimeError: bug in the publisher" in m for m in logs), logs
-    assert len(fmt.load_index(str(out))) == 2  # the first batch
+    assert len(load_index(str(out))) == 2  # the first batch
     assert calls["n"] == 0  # the calls were the child's
 
 
@@ -342,20 +345,21 @@ def test_a_batch_larger_than_the_buffer_goes_in_parts_and_a_sample_larger_is_pub
     model, ds, backend, _ = env
     token_bytes = 4 * 64 * 4  # hidden + 3 captured layers, fp32
     out, ref = tmp_path / "out", tmp_path / "ref"
-    monkeypatch.setenv("HSX_WRITER", "thread")
-    assert run(make_cfg(model, ds, ref, batch_size=8, max_length=None), backend) == EXIT_OK
+    assert (
+        run(make_cfg(model, ds, ref, batch_size=8, max_length=None, publisher="thread"), backend) == EXIT_OK
+    )
     want = load_shards(ref)
     lengths = sorted(len(t["input_ids"]) for t in want.values())
     cap = lengths[N // 2] * token_bytes  # half the samples fit, a batch of 8 never does
     too_long = {sid for sid, t in want.items() if len(t["input_ids"]) * token_bytes > cap}
     assert 0 < len(too_long) < N and 8 * lengths[0] * token_bytes > cap
-    monkeypatch.setenv("HSX_WRITER", "process")
-    monkeypatch.setattr("extraction.runner.writer_buffer_bytes", lambda *a: cap)
+    monkeypatch.setattr(publish_process, "writer_buffer_bytes", lambda *a: cap)
     logs: list[str] = []
-    assert run(make_cfg(model, ds, out, batch_size=8, max_length=None), backend, logs) == EXIT_OK
+    cfg = make_cfg(model, ds, out, batch_size=8, max_length=None, publisher="process")
+    assert run(cfg, backend, logs) == EXIT_OK
     assert sum("published by the runner itself" in m for m in logs) == 1, logs  # said once
     assert_same_shards(out, want)
-    lines = (out / fmt.INDEX_NAME).read_text().splitlines()
+    lines = (out / INDEX_NAME).read_text().splitlines()
     assert len(lines) == N  # each once
     report = verify_output(str(out), "deep")
     assert report.exit_code == 0 and report.ok == N
@@ -410,12 +414,9 @@ class _DeviceLike(SharedBackend):
 
 def _threads_reference(env, monkeypatch, root: Path, batch_size: int) -> dict[str, dict[str, torch.Tensor]]:
     """The shards writer threads write from the forward's own tensors at this batch size (the
-    bit-for-bit reference; fp32 batches are not bit-identical across batch sizes); the writer
-    process is back on after."""
+    bit-for-bit reference; fp32 batches are not bit-identical across batch sizes)."""
     model, ds, backend, _ = env
-    monkeypatch.setenv("HSX_WRITER", "thread")
-    assert run(make_cfg(model, ds, root, batch_size=batch_size), backend) == EXIT_OK
-    monkeypatch.setenv("HSX_WRITER", "process")
+    assert run(make_cfg(model, ds, root, batch_size=batch_size, publisher="thread"), backend) == EXIT_OK
     return load_shards(root)
 
 
@@ -430,18 +431,16 @@ def test_the_device_ring_and_its_fallback_write_the_same_bits(env, tmp_path, mon
     """The GPU path's buffer logic without a GPU: the buffer split into the device's ring and
     the courier's, a device ring too small for all the batches in flight (some go through the
     backend's own memory and the courier's ring): every shard the same, bit for bit."""
-    from extraction import runner as runner_mod
-
     model, ds, backend, _ = env
     reference, out = _threads_reference(env, monkeypatch, tmp_path / "ref", 2), tmp_path / "out"
 
-    def pin(self):  # what _share_writer_buffer does on a GPU once cudaHostRegister succeeded
-        self.writer_proc.arena.split(runner_mod.DEVICE_BUFFER_SHARE)
-        self._host_empty_ok = True  # and the courier sends, as on a GPU
+    def pin(self, backend):  # what attach does on a GPU once cudaHostRegister succeeded
+        self.arena.split(publish_process.DEVICE_BUFFER_SHARE)
+        self.host_empty = self._host_empty  # and the courier sends, as on a GPU
 
-    monkeypatch.setattr(Runner, "_share_writer_buffer", pin)
+    monkeypatch.setattr(ProcessPublisher, "attach", pin)
     batch = 2 * 40 * 4 * 64 * 4  # 2 samples of <= 40 tokens, hidden + 3 layers, fp32
-    monkeypatch.setattr("extraction.runner.writer_buffer_bytes", lambda *a: 3 * batch)
+    monkeypatch.setattr(publish_process, "writer_buffer_bytes", lambda *a: 3 * batch)
     device_like = _DeviceLike(backend.inner)
     assert run(make_cfg(model, ds, out, batch_size=2), device_like) == EXIT_OK
     assert device_like.landed["ring"] > 0 and device_like.landed["own"] > 0, device_like.landed
@@ -450,28 +449,26 @@ def test_the_device_ring_and_its_fallback_write_the_same_bits(env, tmp_path, mon
 
 def _count_copies(monkeypatch) -> list[int]:
     """The runner's copies into the writer's buffer: the number of tensors each copied."""
-    from extraction import runner as runner_mod
-
     calls: list[int] = []
 
     def counted(arena, *tensors):
         calls.append(len(tensors))
         return copy_into(arena, *tensors)
 
-    monkeypatch.setattr(runner_mod, "copy_into", counted)
+    monkeypatch.setattr(publish_process, "copy_into", counted)
     return calls
 
 
 def _count_couriers(monkeypatch) -> list[int]:
     """Courier threads started."""
     started: list[int] = []
-    courier = Runner._courier
+    courier = ProcessPublisher._courier
 
-    def counted(self, work_q):
+    def counted(self):
         started.append(1)
-        return courier(self, work_q)
+        return courier(self)
 
-    monkeypatch.setattr(Runner, "_courier", counted)
+    monkeypatch.setattr(ProcessPublisher, "_courier", counted)
     return started
 
 
@@ -509,7 +506,7 @@ def test_a_failed_attempt_frees_what_its_forward_took_in_the_buffer(env, tmp_pat
     flaky = SharedBackend(inner)
     flaky.extract_async = first_attempt_fails
     batch = 2 * 40 * 4 * 64 * 4  # 2 samples of <= 40 tokens, hidden + 3 layers, fp32
-    monkeypatch.setattr("extraction.runner.writer_buffer_bytes", lambda *a: batch)
+    monkeypatch.setattr(publish_process, "writer_buffer_bytes", lambda *a: batch)
     logs: list[str] = []
     out = tmp_path / "out"
     assert run(make_cfg(model, ds, out, batch_size=2), flaky, logs) == EXIT_OK
@@ -527,7 +524,7 @@ def test_a_cpu_batch_outside_the_buffer_goes_into_it_in_one_block_with_the_same_
     model, ds, backend, _ = env
     reference, out = _threads_reference(env, monkeypatch, tmp_path / "ref", 4), tmp_path / "out"
     copies = _count_copies(monkeypatch)
-    monkeypatch.setattr(Runner, "_host_empty", lambda self, specs: None)  # never room
+    monkeypatch.setattr(ProcessPublisher, "_host_empty", lambda self, specs: None)  # never room
     assert run(make_cfg(model, ds, out, batch_size=4), _with_extract_async(backend.inner)) == EXIT_OK
     assert copies == [2] * (N // 4), copies  # one block a batch, not one a sample
     assert_same_shards(out, reference)

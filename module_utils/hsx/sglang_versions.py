@@ -4,7 +4,7 @@ Each was tested (tests/unit/test_patch_sglang_releases.py) against the real deep
 wheel. Floor 0.5.10: the first release whose ForwardBatch carries `rids`, which the per-request
 split needs. A new upstream release is added here only after that test passes for it.
 
-STDLIB ONLY: shipped to Ansible hosts as module_utils/hsx_sglang_versions.py (a symlink).
+Part of the stdlib-only core: shipped to Ansible hosts as ansible.module_utils.hsx.sglang_versions.
 """
 
 from __future__ import annotations

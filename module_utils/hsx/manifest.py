@@ -9,14 +9,32 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from extraction.shards.format import (
-    FORMAT_VERSION,
-    HIDDEN_DTYPES,
-    MANIFEST_NAME,
-    ManifestError,
-    atomic_write_bytes,
-    read_manifest_dict,
-)
+from .fsutil import atomic_write_bytes
+from .layout import FORMAT_VERSION, HIDDEN_DTYPES, MANIFEST_NAME
+
+
+class ManifestError(Exception):
+    """run.json is missing or unreadable: the directory is not a run (an I/O or usage error)."""
+
+
+def read_manifest_dict(output_dir: str) -> dict[str, Any]:
+    """run.json as a dict; ManifestError (naming the path) when it is missing, unreadable or not an object."""
+    path = os.path.join(output_dir, MANIFEST_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ManifestError(f"{output_dir}: not an extraction run (no {MANIFEST_NAME})") from None
+    except PermissionError as e:
+        raise ManifestError(f"{path}: cannot read: {e.strerror}") from None
+    except RecursionError:
+        raise ManifestError(f"{path}: unreadable run manifest: JSON nested too deeply") from None
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{path}: unreadable run manifest: {e}") from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"{path}: run manifest is not a JSON object")
+    return data
+
 
 # Compared by manifest_mismatches: everything that changes what a shard means.
 _IGNORED = ("created_at", "extra")

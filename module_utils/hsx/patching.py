@@ -7,7 +7,7 @@ file. From any file we can therefore recover the original text (drop our blocks)
 wanted version is applied, and upgrade or revert in place; revert gives the original back byte for
 byte, and the recorded digest proves it.
 
-STDLIB ONLY: Ansible ships this file to hosts as module_utils/hsx_source_patch.py (a symlink), where
+Part of the stdlib-only core: Ansible ships it to hosts as ansible.module_utils.hsx.patching, where
 the extraction package may not be installed.
 """
 
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import ast
 import difflib
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -302,8 +304,16 @@ def check_python(text: str, path: str) -> None:
 
 
 def read_text(path: str) -> str:
+    """The file's text (through a symlink); PatchError when it cannot be read, is not a regular
+    file (a FIFO would block a reader forever) or is not UTF-8."""
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PatchError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise PatchError(f"{path}: not a regular file")
             data = f.read()
     except OSError as exc:
         raise PatchError(f"{path}: cannot read: {exc.strerror}") from None
@@ -313,17 +323,50 @@ def read_text(path: str) -> str:
         raise PatchError(f"{path}: not UTF-8 (byte {exc.start})") from None
 
 
+def write_target(path: str) -> str:
+    """The file a write to `path` changes: `path`, or where its symlink (chain) finally points.
+
+    A patch goes through a symlink rather than replacing it: Python imports the file the link
+    points at either way, and replacing the link by a patched regular file would cut it from that
+    file (which other paths may still reach) and leave a later revert unable to reach it. Refusing
+    symlinks instead would fail installs that link their sources (Nix, some conda and editable
+    layouts). OSError when the link dangles or loops."""
+    if not os.path.islink(path):
+        return path
+    return os.path.realpath(path, strict=True)
+
+
 def write_atomic(path: str, text: str) -> None:
-    """Temp file in the same directory -> fsync -> rename; keeps the file's mode."""
-    directory = os.path.dirname(os.path.abspath(path))
+    """Replace the file's content: temp file in its directory -> fsync -> rename over it.
+
+    The file stays what it was apart from its bytes: owner, group and permission bits are the old
+    file's (the job runs as root: a new file would be root's), and through a symlink the file it
+    points at is replaced, the link kept. OSError (the file unchanged) when the file is missing or
+    not a regular file, or its owner cannot be kept (not root, and not our file or group).
+    """
+    target = write_target(path)
+    st = os.stat(target)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", target)
+    directory = os.path.dirname(os.path.abspath(target))
     fd, tmp = tempfile.mkstemp(prefix=".hsx-patch-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(text.encode("utf-8"))
             f.flush()
             os.fsync(f.fileno())
-        shutil.copymode(path, tmp)
-        os.replace(tmp, path)
+        tmp_st = os.stat(tmp)
+        if (tmp_st.st_uid, tmp_st.st_gid) != (st.st_uid, st.st_gid):
+            try:
+                os.chown(tmp, st.st_uid, st.st_gid)  # before chmod: chown clears set-id bits
+            except PermissionError as exc:
+                raise PermissionError(
+                    exc.errno,
+                    f"cannot keep the file's owner {st.st_uid}:{st.st_gid} ({exc.strerror}); nothing changed",
+                    target,
+                ) from None
+        os.chmod(tmp, stat.S_IMODE(st.st_mode))
+        os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import socket
 import threading
@@ -36,13 +37,107 @@ def write_json_atomic(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def read_status(output_dir: str) -> dict[str, Any]:
-    """The status of one output; OSError/ValueError when missing or unreadable."""
-    with open(os.path.join(output_dir, STATUS_NAME), encoding="utf-8") as f:
-        data = json.load(f)
+# status.json is read, never trusted: a crash, a bug or another user may have written it. What
+# StatusReporter.snapshot writes is far below this (history is bounded to HISTORY_MAX points).
+STATUS_MAX_BYTES = 1 << 20
+_MAX_COUNT = 1 << 63  # counters and byte sizes: int64, as any writer of ours can reach
+_PID_MAX = (1 << 22) - 1  # Linux's PID_MAX_LIMIT; 0 and negatives are process groups for kill()
+
+
+class StatusError(ValueError):
+    """status.json exists but cannot be used: the message names the file and says why."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -_MAX_COUNT < v < _MAX_COUNT
+
+
+def _is_number(v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def _is_time_text(v: Any) -> bool:
+    if not isinstance(v, str):
+        return False
+    try:
+        _dt.datetime.fromisoformat(v).timestamp()
+    except (ValueError, OverflowError, OSError):
+        return False
+    return True
+
+
+def _is_history(v: Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(p, list) and len(p) == 2 and _is_number(p[0]) and _is_int(p[1]) for p in v
+    )
+
+
+# The fields StatusReporter writes (and its runner's `extra`), and what each must be when present.
+# A field of another type means the file is not what we wrote: the whole file is unreadable
+# rather than half believed. Unknown fields are passed through (a newer writer's).
+_FIELD_CHECKS: dict[str, tuple[str, Any]] = {
+    **{k: ("a string", lambda v: isinstance(v, str)) for k in ("state", "message", "output", "model", "dataset")},
+    **{
+        k: ("an integer", _is_int)
+        for k in ("done", "total", "written", "skipped_existing", "errors", "row_errors", "bytes_written",
+                  "reserve_bytes", "shard_index", "num_shards")
+    },
+    "free_bytes": ("an integer or null", lambda v: v is None or _is_int(v)),
+    **{k: ("a finite number", _is_number) for k in ("samples_per_s", "tokens_per_s", "resume_seconds")},
+    "eta_s": ("a finite number or null", lambda v: v is None or _is_number(v)),
+    "pid": (f"a process id (1..{_PID_MAX})", lambda v: _is_int(v) and 0 < v <= _PID_MAX),
+    "host": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    **{k: ("an ISO 8601 time", _is_time_text) for k in ("started_at", "updated_at")},
+    "history": ("a list of [time, done] pairs", _is_history),
+}
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_status(raw: bytes, where: str = STATUS_NAME) -> dict[str, Any]:
+    """status.json's bytes -> its dict, every known field of the type StatusReporter writes;
+    StatusError (a ValueError naming `where` and the reason) for anything else."""
+    if len(raw) > STATUS_MAX_BYTES:
+        raise StatusError(f"{where}: over {STATUS_MAX_BYTES} bytes, far more than any status this code writes")
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except RecursionError:
+        raise StatusError(f"{where}: not valid status JSON (nested too deeply)") from None
+    except ValueError as e:  # incl. UnicodeDecodeError and JSONDecodeError
+        raise StatusError(f"{where}: not valid JSON: {str(e)[:200]}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{output_dir}/{STATUS_NAME} is not a JSON object")
+        raise StatusError(f"{where}: not a JSON object (a JSON {type(data).__name__})")
+    for key, (what, ok) in _FIELD_CHECKS.items():
+        if key in data and not ok(data[key]):
+            raise StatusError(f"{where}: field {key!r} must be {what}, got a JSON {_json_type(data[key])}")
     return data
+
+
+def _json_type(v: Any) -> str:
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(v), "null"
+    )
+
+
+def read_status(output_dir: str) -> dict[str, Any]:
+    """The status of one output, checked (see parse_status).
+
+    Raises OSError when it cannot be read (FileNotFoundError: there is none) and StatusError, a
+    ValueError whose message names the file and says why, when its content is not a status this
+    code writes: not UTF-8 or not JSON, nested too deeply, not an object, too big, a known field of
+    the wrong type. Callers catch (OSError, ValueError) and treat the run's status as unknown.
+    """
+    path = os.path.join(output_dir, STATUS_NAME)
+    with open(path, "rb") as f:
+        raw = f.read(STATUS_MAX_BYTES + 1)
+    return parse_status(raw, path)
 
 
 RUN_UNDER_WAY = ("starting", "running")
@@ -55,17 +150,28 @@ def process_gone(status: dict[str, Any]) -> bool:
 
 
 def pid_alive(pid: Any, host: Any) -> bool | None:
-    """True/False for a pid on this host; None when the run is on another host (cannot tell)."""
+    """True/False for a pid on this host; None when the run is on another host (cannot tell).
+
+    A pid that is no process id (not a number, a bool, 0 or negative - kill() would signal a
+    process group or every process -, above PID_MAX_LIMIT) is not alive."""
     if host not in (None, socket.gethostname()):
         return None
-    try:
-        os.kill(int(pid), 0)
-    except (TypeError, ValueError):
+    if isinstance(pid, bool) or not isinstance(pid, int | str):
         return False
+    try:
+        n = int(pid)
+    except ValueError:
+        return False
+    if not 0 < n <= _PID_MAX:
+        return False
+    try:
+        os.kill(n, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    except OSError:
+        return False
     return True
 
 
@@ -200,7 +306,8 @@ def _fmt_bytes(n: Any) -> str:
     return "?"
 
 
-def _fmt_eta(s: Any) -> str:
+def format_eta(s: Any) -> str:
+    """Seconds as `1h02m` or `3m07s`; `?` for anything but a number."""
     if not isinstance(s, int | float):
         return "?"
     s = int(s)
@@ -219,7 +326,7 @@ def describe(status: dict[str, Any]) -> str:
         f"  done {done}/{total}{pct}, skipped existing {status.get('skipped_existing', 0)}, "
         f"errors {status.get('errors', 0)}",
         f"  {status.get('samples_per_s', 0)} samples/s, {status.get('tokens_per_s', 0)} tokens/s, "
-        f"ETA {_fmt_eta(status.get('eta_s'))}",
+        f"ETA {format_eta(status.get('eta_s'))}",
         f"  written {_fmt_bytes(status.get('bytes_written'))}, free {_fmt_bytes(status.get('free_bytes'))} "
         f"(reserve {_fmt_bytes(status.get('reserve_bytes'))})",
         f"  pid {status.get('pid', '?')} on {status.get('host', '?')}: {alive_text}; "

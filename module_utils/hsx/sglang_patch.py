@@ -1,4 +1,4 @@
-"""The deepseek_v2.py patch that calls the dump hook: plain data, read by extraction.patching.
+"""The deepseek_v2.py patch that calls the dump hook: plain data, read by hsx.patching.
 
 Two one-line insertions in DeepseekV2Model (the anchors appear exactly once in every supported
 release; line numbers move, the text does not):
@@ -9,7 +9,7 @@ release; line numbers move, the text does not):
 The import is guarded by find_spec, so a missing hook module leaves SGLang as it was. The hook is
 deployed as `sglang/hsx_dump_hook.py` (inside the package, so any install layout can import it).
 
-STDLIB ONLY, NO IMPORTS: shipped to Ansible hosts as module_utils/hsx_sglang_patch.py (a symlink).
+NO IMPORTS: part of the stdlib-only core, shipped to Ansible hosts as ansible.module_utils.hsx.sglang_patch.
 """
 
 PATCH_ID = "hsx-sglang-dump"

@@ -1,0 +1,69 @@
+"""Plan: which samples this node runs, and the batches they run in.
+
+Contract:
+- `assigned_to`: node i of n runs a sample iff a hash of its stable id says so: no coordination,
+  the same answer whatever the dataset's order; `node_samples` is this node's entries in
+  dataset order, at most --limit of them.
+- `plan_windows` cuts them into fixed windows of WINDOW_BATCHES batches' worth, in dataset
+  order; `batches_of_window` sorts a window's samples by (length, id) and cuts its batches (little
+  padding, a fixed plan).
+- The plan depends on the node's whole sample list only, never on what is done: a resume re-runs
+  a planned batch whole even when some of its samples are done (their results are dropped),
+  because padding and batch shape change float32 results in the last bits (on the tiny model: up
+  to 2e-8 between a sample alone and in a batch). So a resumed run writes bit-identical tensors
+  to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+from extraction.backends.base import Sample
+from extraction.config import ExtractConfig
+from extraction.dataset import ChatTokenizer, DatasetEntry, read_conversations
+
+WINDOW_BATCHES = 16  # a planning window holds this many batches' worth of samples
+# Batches buffered between the stages: forward -> publisher, and at least this many tokenized ahead.
+QUEUE_BATCHES = 4
+UNTRUNCATED_TOKENS = 32768  # a sample's size when neither --max-length nor the model says
+
+
+def assigned_to(sample_id: str, shard_index: int, num_shards: int) -> bool:
+    """Node assignment by a hash of the stable id: no coordination, stable under reordering.
+
+    Total: the scan lets only valid text through as an id, for which "surrogatepass" gives the
+    same bytes as "strict" (so the same assignment); an id with a lone surrogate still gets one
+    instead of a UnicodeEncodeError."""
+    if num_shards == 1:
+        return True
+    h = int.from_bytes(hashlib.sha256(sample_id.encode("utf-8", "surrogatepass")).digest()[:8], "big")
+    return h % num_shards == shard_index
+
+
+def node_samples(entries: list[DatasetEntry], cfg: ExtractConfig) -> list[DatasetEntry]:
+    """This node's entries (--shard-index of --num-shards), in dataset order, at most --limit."""
+    assigned = [e for e in entries if assigned_to(e.sample_id, cfg.shard_index, cfg.num_shards)]
+    return assigned if cfg.limit is None else assigned[: cfg.limit]
+
+
+def plan_windows(entries: list[DatasetEntry], batch_size: int) -> list[list[DatasetEntry]]:
+    """Fixed windows of the dataset order; batches are cut inside a window by length."""
+    size = batch_size * WINDOW_BATCHES
+    return [entries[i : i + size] for i in range(0, len(entries), size)]
+
+
+def batches_of_window(samples: list[Sample], batch_size: int) -> list[list[Sample]]:
+    """Sort a window's samples by length (ties by id) and cut batches: little padding, fixed plan."""
+    ordered = sorted(samples, key=lambda s: (int(s.input_ids.numel()), s.sample_id))
+    return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+def iter_batches_for_bench(
+    cfg: ExtractConfig, entries: list[DatasetEntry], tokenizer: ChatTokenizer
+) -> Iterator[list[Sample]]:
+    """The runner's own batch plan over `entries`, tokenized on the calling thread: what the
+    benchmarks run a bare forward loop over, to compare it with the runner."""
+    for window in plan_windows(entries, cfg.batch_size):
+        samples = [tokenizer.encode(c) for c in read_conversations(cfg.dataset, window)]
+        yield from batches_of_window(samples, cfg.batch_size)

@@ -1,0 +1,231 @@
+"""Resume: this run's manifest, the output made ready for it, and what is already done there.
+
+Contract:
+- `load_inputs` reads the model's config, the capture layers, the dataset (one scan: ids,
+  offsets, row errors, hash) and the tokenizer, and builds the run's manifest (run.json). It
+  writes nothing; a bad input or an output holding a run with another --max-length is a RunError.
+- `open_output` takes the output's lock before anything there is written or removed, then opens
+  the shard writer, which refuses an output whose run.json differs from the manifest (RunError,
+  nothing written) and writes run.json for a new one; it ends a torn last index line and removes
+  the temp files an interrupted writer left. A full disk here is a pause (exit 75).
+- `verified_done`: the samples whose shard is indexed at its own shard path (hsx.index.entry_problems,
+  the rule `hsx verify` applies) AND passes the `quick` check; any other indexed sample is recorded
+  (errors.jsonl, kind "resume") and redone. Nothing unindexed counts as done.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from extraction import layers as layer_mod
+from extraction.config import ExtractConfig
+from extraction.dataset import (
+    ChatTokenizer,
+    DatasetScan,
+    chat_template_of,
+    load_tokenizer,
+    scan_dataset,
+    sha256_text,
+    tokenizer_hash,
+)
+from extraction.outputlock import OutputBusy, OutputLock
+from extraction.runner.lifecycle import RunError
+from extraction.runner.plan import UNTRUNCATED_TOKENS
+from extraction.shards import ManifestMismatchError, ShardWriter
+from hsx.errors import ShardBad, ShardIOError
+from hsx.exitcodes import EXIT_FAILED, EXIT_PAUSED, EXIT_USAGE
+from hsx.index import entry_problems, read_index
+from hsx.layout import INDEX_NAME, MANIFEST_NAME
+from hsx.manifest import ManifestError, RunManifest, read_manifest_dict
+from hsx.verify import Expect, check_shard
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass
+class RunInputs:
+    """What the run reads before it touches the output."""
+
+    model_cfg: dict[str, Any]  # hidden_size, num_layers, vocab_size, max_positions
+    layer_ids: list[int]
+    scan: DatasetScan
+    tokenizer: ChatTokenizer
+    manifest: RunManifest
+
+
+def read_model_config(model_dir: str) -> dict[str, Any]:
+    """hidden size, layers, vocab from config.json (a text_config inside wins for VLM wrappers)."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError as e:
+        raise RunError(f"{path}: cannot read model config: {e.strerror}") from None
+    except ValueError as e:
+        raise RunError(f"{path}: invalid JSON: {e}") from None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    try:
+        return {
+            "hidden_size": int(text["hidden_size"]),
+            "num_layers": int(text["num_hidden_layers"]),
+            "vocab_size": int(text["vocab_size"]) if text.get("vocab_size") else None,
+            "max_positions": int(text.get("max_position_embeddings") or UNTRUNCATED_TOKENS),
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        raise RunError(f"{path}: model config lacks {e}") from None
+
+
+def load_inputs(cfg: ExtractConfig) -> RunInputs:
+    """The run's inputs and manifest (see the module's contract)."""
+    if not os.path.isdir(cfg.model):
+        raise RunError(f"--model {cfg.model}: not a directory")
+    if not os.path.isfile(cfg.dataset):
+        raise RunError(f"--dataset {cfg.dataset}: not a file")
+    if os.path.exists(cfg.output) and not os.path.isdir(cfg.output):
+        raise RunError(f"--output {cfg.output}: exists and is not a directory")
+    model_cfg = read_model_config(cfg.model)
+    try:
+        layer_ids = layer_mod.parse_layers(cfg.layers, model_cfg["num_layers"], cfg.layer_convention)
+    except layer_mod.LayerSpecError as e:
+        raise RunError(f"--layers: {e}") from None
+    scan = scan_dataset(cfg.dataset)
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+    except Exception as e:
+        raise RunError(f"cannot load the tokenizer from {cfg.model}: {e}") from None
+    if chat_template_of(tokenizer) is None:
+        raise RunError(f"{cfg.model}: the tokenizer has no chat template")
+    manifest = build_manifest(cfg, model_cfg, layer_ids, tokenizer, scan.sha256)
+    check_extra(cfg.output, manifest)
+    return RunInputs(model_cfg, layer_ids, scan, ChatTokenizer(tokenizer, cfg.max_length), manifest)
+
+
+def build_manifest(
+    cfg: ExtractConfig, model_cfg: dict[str, Any], layer_ids: list[int], tokenizer: Any, ds_hash: str
+) -> RunManifest:
+    from extraction.backends.hf import model_revision
+
+    return RunManifest(
+        model=os.path.basename(os.path.abspath(cfg.model)),
+        revision=model_revision(cfg.model),
+        hidden_size=model_cfg["hidden_size"],
+        num_layers=model_cfg["num_layers"],
+        layer_ids=layer_ids,
+        layer_convention=layer_mod.CANONICAL,
+        dtype=DTYPE_NAMES[cfg.dtype],
+        final_normed=True,
+        vocab_size=model_cfg["vocab_size"],
+        tokenizer_hash=tokenizer_hash(cfg.model),
+        chat_template_hash=sha256_text(chat_template_of(tokenizer)),
+        dataset_path=os.path.basename(cfg.dataset),
+        dataset_hash=ds_hash,
+        extra={
+            "max_length": cfg.max_length,
+            "model_dir": os.path.abspath(cfg.model),
+            "dataset_file": os.path.abspath(cfg.dataset),
+            "backend": cfg.backend,
+            "batch_size": cfg.batch_size,
+            "host": socket.gethostname(),
+        },
+    )
+
+
+def check_extra(output: str, manifest: RunManifest) -> None:
+    """max_length changes what a shard holds but is not a manifest field: compare it here."""
+    path = os.path.join(output, MANIFEST_NAME)
+    if not os.path.exists(path):
+        return
+    existing = read_manifest_dict(output)
+    extra = existing.get("extra") or {}
+    if "max_length" in extra and extra["max_length"] != manifest.extra["max_length"]:
+        raise RunError(
+            f"{output} holds a different run: max_length: existing run has "
+            f"{extra['max_length']!r}, this run wants {manifest.extra['max_length']!r}"
+        )
+
+
+def open_output(
+    output: str, manifest: RunManifest, lock: OutputLock, log: Callable[[str], None]
+) -> ShardWriter:
+    """Lock the output, open its shard writer (run.json checked or written), end a torn index
+    line, remove orphan temps (see the module's contract)."""
+    try:
+        os.makedirs(output, exist_ok=True)
+        unlocked = lock.acquire()  # before anything here writes to the output or removes from it
+        if unlocked:
+            log(unlocked)
+    except OutputBusy as e:
+        raise RunError(str(e), EXIT_FAILED) from None
+    except OSError as e:  # a full disk is a pause here too: the job unit leaves it to a person
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise RunError(f"--output {output}: {e}", EXIT_PAUSED if full else EXIT_USAGE) from None
+    try:
+        # The NaN/Inf check is the publisher's (Item.nonfinite): on the device when the backend can.
+        writer = ShardWriter(output, manifest, check_finite=False)
+    except ManifestMismatchError as e:
+        raise RunError(f"refusing to resume: {e}") from None
+    except ManifestError as e:
+        raise RunError(str(e)) from None
+    except OSError as e:
+        raise RunError(f"--output {output}: {e}") from None
+    if not writer.writes_directly:
+        log(f"shards written by torch.save ({writer.write_mode}): slower, same bytes")
+    end_torn_index_line(output)
+    removed = writer.remove_orphan_temps()
+    if removed:
+        log(f"removed {removed} temp file(s) left by an interrupted writer")
+    return writer
+
+
+def end_torn_index_line(output_dir: str) -> None:
+    """A crash mid-append can leave the index without its final newline; the next append would
+    then be glued to the fragment and lost with it. End the fragment with a newline first, so it
+    stays a single damaged line that read_index skips. (Belongs in the shard writer; see report.)"""
+    path = os.path.join(output_dir, INDEX_NAME)
+    try:
+        with open(path, "rb+") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+    except FileNotFoundError:
+        return
+
+
+def verified_done(
+    output: str, manifest: RunManifest, wanted: set[str], record: Callable[[dict[str, Any]], None]
+) -> tuple[set[str], int]:
+    """Samples of `wanted` whose shard is indexed at its own shard path and passes `quick`; plus
+    how many indexed ones did not (each `record`ed for errors.jsonl). Which entries can count at
+    all is hsx.index.entry_problems, the rule `hsx verify` applies: never a path outside shards/,
+    another sample's shard, or one that two entries name."""
+    state = read_index(output)
+    expect = Expect.from_manifest(manifest.to_dict())
+    untrusted = entry_problems((sid, e.path) for sid, e in state.entries.items())
+    done: set[str] = set()
+    bad = 0
+    for sid, entry in state.entries.items():
+        if sid not in wanted:
+            continue
+        why = untrusted.get(sid)
+        if why is None:
+            try:
+                check_shard(os.path.join(output, entry.path), expect, "quick", entry)
+            except (ShardBad, ShardIOError) as e:
+                why = str(e)
+        if why is not None:
+            bad += 1
+            record({"kind": "resume", "sample_id": sid, "reason": f"redo: {why}"})
+            continue
+        done.add(sid)
+    return done, bad

@@ -1,1 +1,0 @@
-../extraction/sglang/patchdef.py

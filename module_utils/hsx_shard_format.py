@@ -1,1 +1,0 @@
-../extraction/shards/format.py

@@ -1,1 +1,0 @@
-../extraction/patching.py

@@ -1,1 +1,0 @@
-../extraction/status.py
