@@ -199,8 +199,11 @@ class ExtractionStatus:
             result["bytes_per_sample"] = result["bytes_done"] // len(index.entries)
         try:
             status = read_status(self.output_dir)
-        except (OSError, ValueError):
+        except FileNotFoundError:
             result["message"] = "no readable status.json (the extraction has not run here yet)"
+            return result
+        except (OSError, ValueError) as e:  # hsx.status says what is wrong with the file
+            result["message"] = f"no readable status.json: {e}"
             return result
         total = status.get("total")
         result.update(

@@ -150,6 +150,11 @@ orphans_removed:
     returned: always
     type: int
     sample: 1
+quarantined_count:
+    description: How many bad shards were moved (or would be, in check mode); not capped by O(max_listed).
+    returned: always
+    type: int
+    sample: 1
 quarantined:
     description: Where bad shards were moved (or would be, in check mode), relative to O(path), at most O(max_listed).
     returned: always
@@ -263,6 +268,7 @@ class ShardVerifyModule:
             "unindexed": report.unindexed[:cap],
             "orphans": report.orphans[:cap],
             "orphans_removed": removed,
+            "quarantined_count": len(quarantined),
             "quarantined": quarantined[:cap],
             "bytes": report.bytes,
             "seconds": round(report.seconds, 3),

@@ -104,3 +104,13 @@ def test_module_entry_point_is_check_mode_safe(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["changed"] is False and out["done"] == 3
     assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_malformed_status_is_a_verdict_with_the_reason(tmp_path):
+    """Issue #30: a status.json that is not a status (a JSON list here) used to crash the module
+    (recover.yml then failed at assess); now it reads as no status, saying why."""
+    plant(tmp_path, 2, None)
+    (tmp_path / "status.json").write_text("[1, 2]")
+    r = extraction_status.ExtractionStatus(str(tmp_path), 60).read()
+    assert r["done"] == 2 and r["state"] == "none"
+    assert "no readable status.json" in r["message"] and "not a JSON object" in r["message"]

@@ -80,6 +80,9 @@ def test_list_caps_keep_full_counts(capsys, tmp_path):
         (tmp_path / e.path).write_bytes(b"x")
     r = run_module(capsys, path=str(tmp_path), level="quick", max_listed=2, workers=2)
     assert r["bad_count"] == 6 and len(r["bad"]) == 2
+    # Quarantining: the list stops at max_listed, its count does not (the report reads the count).
+    r = run_module(capsys, path=str(tmp_path), level="quick", max_listed=2, workers=2, quarantine=True)
+    assert r["quarantined_count"] == 6 and len(r["quarantined"]) == 2
 
 
 def test_not_a_run_fails_with_the_path(capsys, tmp_path):
