@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 from ansible_modules import load_module
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
+from property_settings import PROPERTY
 from shard_helpers import make_run, manifest
 
 from extraction.export_view import export_view
@@ -223,19 +224,6 @@ def test_json_line_encoding_is_what_the_crc_covers():
 
 
 # --- property: any index line gets one verdict, and nothing that reads the index raises ----------
-settings.register_profile(
-    "hsx",
-    max_examples=200,
-    deadline=None,
-    database=None,  # nothing written into the checkout
-    suppress_health_check=[
-        HealthCheck.function_scoped_fixture,
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-    ],
-)
-settings.register_profile("long", parent=settings.get_profile("hsx"), max_examples=5000)
-PROFILE = settings.get_profile("long" if os.environ.get("HYPOTHESIS_PROFILE") == "long" else "hsx")
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +310,7 @@ def _one_verdict_per_line(lines: list[bytes]):
     return state
 
 
-@PROFILE
+@PROPERTY
 @given(data=st.data())
 def test_any_index_lines_get_one_verdict_each(run3, data):
     _, entries, _ = run3
@@ -344,7 +332,7 @@ def run3_copy(run3, tmp_path_factory) -> Path:
     return root
 
 
-@PROFILE
+@PROPERTY
 @given(data=st.data(), keep=st.integers(0, 3), level=st.sampled_from(["quick", "full"]))
 def test_any_index_lines_in_a_run_verify_and_resume_agree(run3, run3_copy, data, keep, level):
     _, entries, good = run3

@@ -29,8 +29,9 @@ from hsx_run_helpers import (
     one_thread,  # noqa: F401  (autouse)
     run,
 )
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
+from property_settings import PROPERTY
 
 from extraction import export_view as ev
 from extraction.cli import main
@@ -44,17 +45,6 @@ from hsx.index import load_index
 from hsx.manifest import ManifestError, read_manifest_dict
 from hsx.patching import Patch, apply_file
 from hsx.status import ERRORS_NAME, describe, now_iso, pid_alive, process_gone, read_status, summarize
-
-# ------------------------------------------------------------------------------------ profiles
-settings.register_profile(
-    "long", max_examples=5000, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
-)
-if os.environ.get("HYPOTHESIS_PROFILE") == "long":
-    PROPERTY = settings(settings.get_profile("long"))
-else:  # `make test`: bounded, and no .hypothesis/ database left in the checkout
-    PROPERTY = settings(
-        max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
-    )
 
 LONE = "\ud83d"  # the first half of an emoji: what a scraper that cut a UTF-16 string leaves
 ROW_OK = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
+from property_settings import PROPERTY
 from shard_helpers import H, K, expect, make_run, manifest, save, shard_dict
 
 from extraction.runner.resume import verified_done
@@ -323,19 +324,6 @@ def test_declared_central_directory_under_a_real_memory_limit(tmp_path):
 
 # --- property: any bytes near a real shard get exactly one verdict ------------------------------
 # Bounded in `make test`; HYPOTHESIS_PROFILE=long runs many more examples.
-settings.register_profile(
-    "hsx",
-    max_examples=200,
-    deadline=None,
-    database=None,  # nothing written into the checkout
-    suppress_health_check=[
-        HealthCheck.function_scoped_fixture,
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-    ],
-)
-settings.register_profile("long", parent=settings.get_profile("hsx"), max_examples=5000)
-PROFILE = settings.get_profile("long" if os.environ.get("HYPOTHESIS_PROFILE") == "long" else "hsx")
 
 
 @dataclass
@@ -507,7 +495,7 @@ def learnt(bases) -> None:
         assert verdict(b.path, "quick", b.entry) == "ok"
 
 
-@PROFILE
+@PROPERTY
 @given(data=st.data(), with_entry=st.booleans())
 def test_any_mutation_of_a_real_shard_gets_one_verdict(
     bases, learnt, bounded_reads, tmp_path, data, with_entry
@@ -541,7 +529,7 @@ def run_bases(tmp_path_factory) -> tuple[Path, list[Base]]:
     return root, bases
 
 
-@PROFILE
+@PROPERTY
 @given(data=st.data(), level=st.sampled_from(["quick", "full"]))
 def test_any_mutation_in_a_run_gets_one_verdict_from_verify_output(run_bases, bounded_reads, data, level):
     root, bases = run_bases
