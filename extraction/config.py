@@ -25,6 +25,19 @@ class ConfigError(ValueError):
     """A bad option value or config file; the message names the option and the source."""
 
 
+def read_api_key(path: str) -> str:
+    """The SGLang API key in `path` (one line; surrounding whitespace dropped); ConfigError if the file
+    cannot be read or holds no usable key (empty, or with inner whitespace, which no header carries)."""
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            key = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"api_key_file {path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
+    if not key or any(c.isspace() for c in key) or not key.isprintable() or not key.isascii():
+        raise ConfigError(f"api_key_file {path}: holds no usable API key (one line of printable ASCII)")
+    return key
+
+
 def parse_bytes(value: Any) -> int:
     """'10G', '512MiB', '2.5T', 1000 -> bytes (powers of 1024 for K/M/G/T, with or without 'iB')."""
     if isinstance(value, bool):
@@ -48,6 +61,7 @@ class ExtractConfig:
     backend: str = "hf"
     server_url: str | None = None
     dump_dir: str | None = None
+    api_key_file: str | None = None
     layers: str = "auto"
     layer_convention: str = "sglang"
     dtype: str = "bf16"
@@ -76,6 +90,8 @@ class ExtractConfig:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.backend == "sglang" and not self.server_url:
             raise ConfigError("--backend sglang needs --server-url")
+        if self.backend == "sglang" and self.api_key_file:
+            read_api_key(self.api_key_file)
         if self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         for name in ("batch_size", "concurrency", "num_shards", "max_consecutive_errors"):
@@ -120,6 +136,8 @@ _HELP = {
     "backend": "hf (in-process transformers) or sglang (patched server)",
     "server_url": "SGLang server URL (sglang backend)",
     "dump_dir": "directory the patched SGLang server dumps into (sglang backend; default $HSX_DUMP_DIR)",
+    "api_key_file": "file holding the SGLang server's API key (its --api-key), sent as 'Authorization: Bearer' "
+    "(sglang backend; the Ansible roles use /etc/hsx/sglang-api-key)",
     "layers": "capture layers: auto = [2, N//2, N-3], or a,b,c (optionally 'specforge:a,b,c')",
     "layer_convention": "numbering of explicit --layers: sglang (= HF hidden_states index) or specforge (+1)",
     "dtype": "hidden-state dtype",
@@ -210,7 +228,7 @@ def build_config(args: argparse.Namespace | dict[str, Any]) -> ExtractConfig:
                 merged[name] = str(value) if not isinstance(value, str) else value
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{source}: option {name!r}: {e}") from None
-    for name in ("model", "dataset", "output"):
+    for name in ("model", "dataset", "output", "api_key_file"):
         if merged.get(name):
             merged[name] = os.path.expanduser(merged[name])
     cfg = ExtractConfig(**merged)

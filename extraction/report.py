@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hsx.redact import redact_tree
 from hsx.status import process_gone
 
 FACTS_DIR = "facts"
@@ -305,8 +306,24 @@ def summary_markdown(reports: list[dict[str, Any]], title: str) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def write_private(path: Path, text: str) -> None:
+    """`text` into `path`, readable by its owner only: a new 0600 file renamed over the old one (so
+    an earlier world-readable file, or a symlink, is replaced, never written through)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o600)  # whatever the umask
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def build(report_dir: str | os.PathLike, title: str = "Recovery report") -> tuple[list[dict[str, Any]], Path]:
-    """Read REPORT/facts/*.json (+ hosts.json for the hosts that should be there), write the reports."""
+    """Read REPORT/facts/*.json (+ hosts.json for the hosts that should be there), write the reports
+    (0600, redacted: docs/security.md)."""
     root = Path(report_dir)
     facts_dir = root / FACTS_DIR
     if not facts_dir.is_dir() and not (root / HOSTS_FILE).is_file():
@@ -315,14 +332,14 @@ def build(report_dir: str | os.PathLike, title: str = "Recovery report") -> tupl
         )
     facts = {}
     for path in sorted(facts_dir.glob("*.json")) if facts_dir.is_dir() else []:
-        data = json.loads(path.read_text())
+        data = redact_tree(json.loads(path.read_text()))
         facts[data.get("host") or path.stem] = data
     expected = json.loads((root / HOSTS_FILE).read_text()) if (root / HOSTS_FILE).is_file() else sorted(facts)
     reports = []
     for host in expected:
         report = host_report(facts[host]) if host in facts else unreachable_report(host)
-        (root / f"{host}.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        write_private(root / f"{host}.json", json.dumps(report, indent=2, sort_keys=True) + "\n")
         reports.append(report)
     summary = root / SUMMARY
-    summary.write_text(summary_markdown(reports, title))
+    write_private(summary, summary_markdown(reports, title))
     return reports, summary

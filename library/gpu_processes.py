@@ -18,6 +18,10 @@ description:
       (C(/dev/nvidia*) among its file descriptors). A pid NVML reports that is not visible here (a process in
       another container) is reported as such and never signalled, since the number may name a different process
       in this namespace. What /proc says about a pid is read by module_utils C(hsx.procfs).
+    - Command lines are redacted as they are read (module_utils C(hsx.redact), docs/security.md): the values of
+      flags and variables named like key, token, secret, password, passwd or credential
+      (C(--api-key K), C(--hf-token=K), C(HF_TOKEN=K)), credentials in URLs and bearer tokens read
+      C(<redacted>) in every result and message, and O(patterns) are matched against the redacted line.
     - The logic lives in the class C(GpuReclaimer), which imports without Ansible (C(hsx.procfs) then comes
       from the hsx package), so the same code runs on a GPU machine that has no Ansible (see
       C(tests/gpu/test_gpu_reclaim.py)).
@@ -37,7 +41,7 @@ options:
     patterns:
         description:
             - Python regular expressions searched (C(re.search)) in each process's command line (arguments
-              joined by single spaces). A process matching any of them is ended with O(state=absent).
+              joined by single spaces, secrets redacted). A process matching any of them is ended with O(state=absent).
             - With O(state=absent) either O(patterns) or O(force=true) is required.
         type: list
         elements: str
@@ -186,7 +190,7 @@ processes:
             description: Owner (null when not visible)
             type: str
         cmdline:
-            description: Command line, arguments joined by spaces (null when not visible)
+            description: Command line, arguments joined by spaces, secret values redacted (null when not visible)
             type: str
         unit:
             description: systemd unit the process runs in, if any

@@ -1,8 +1,15 @@
 """Real SGLang release files for tests, downloaded once and cached outside the repository.
 
 `pip download --no-deps sglang==X` gives the wheel (a zip, ~40 MB); we keep only the few files the
-tests read (deepseek_v2.py, the version files, aux_hidden_states.py) under
-$HSX_SGLANG_WHEELS (default ~/.cache/hsx/sglang-wheels)/<version>/, so CI re-runs reuse them.
+tests read under $HSX_SGLANG_WHEELS (default ~/.cache/hsx/sglang-wheels)/<version>/, so CI re-runs
+reuse them: deepseek_v2.py, the version files and aux_hidden_states.py by their base names (KEEP),
+and the sources tests/unit/test_sglang_fidelity.py reads by AST (server arguments, ForwardBatch, the
+HTTP server's routes and auth) under src/ at their package paths (KEEP_SRC). A cache made with other
+KEEP lists is fetched again (.complete records them).
+
+A release that cannot be fetched FAILS the test that needs it (require), so a CI run without the
+registry says so instead of passing with skips; HSX_SGLANG_WHEELS_OPTIONAL=1 makes it a skip
+(working offline without a cache).
 
     python tests/sglang_wheels.py            # prefetch every supported release (+ the refused one)
     python tests/sglang_wheels.py --check    # list registry releases missing from hsx/sglang_versions.py
@@ -17,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 KEEP = {
@@ -25,6 +33,18 @@ KEEP = {
     "sglang/version.py": "version.py",
     "sglang/srt/layers/aux_hidden_states.py": "aux_hidden_states.py",
 }
+# Kept under src/ at their package paths (fnmatch patterns; a release lacks some of them).
+KEEP_SRC = (
+    "sglang/srt/server_args.py",
+    "sglang/srt/arg_groups/arg_utils.py",
+    "sglang/srt/arg_groups/argparse_actions.py",
+    "sglang/srt/arg_groups/choices.py",
+    "sglang/srt/arg_groups/fields/*.py",
+    "sglang/srt/model_executor/cuda_graph_config.py",
+    "sglang/srt/model_executor/forward_batch_info.py",
+    "sglang/srt/entrypoints/http_server.py",
+    "sglang/srt/utils/auth.py",
+)
 # Wheels are cp311 manylinux from 0.5.11 on; ask for that platform explicitly so a runner on
 # another Python version still gets the same files.
 PIP_PLATFORM = ["--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64"]
@@ -36,10 +56,23 @@ def cache_root() -> Path:
     return Path(os.environ.get("HSX_SGLANG_WHEELS") or Path.home() / ".cache" / "hsx" / "sglang-wheels")
 
 
+def _keep_mark() -> str:
+    """What .complete records: the KEEP lists the cache was made with."""
+    return "keep: " + " ".join(sorted(KEEP)) + " | " + " ".join(KEEP_SRC)
+
+
+def _is_complete(dest: Path) -> bool:
+    try:
+        lines = (dest / ".complete").read_text().splitlines()
+    except OSError:
+        return False
+    return _keep_mark() in lines
+
+
 def release_dir(version: str) -> tuple[Path | None, str]:
     """The cached files of one release (downloading them if needed), or None and why not."""
     dest = cache_root() / version
-    if (dest / ".complete").exists():
+    if _is_complete(dest):
         return dest, ""
     if version in _failures:
         return None, _failures[version]
@@ -66,20 +99,36 @@ def release_dir(version: str) -> tuple[Path | None, str]:
             for member, name in KEEP.items():
                 if member in names:
                     (staging / name).write_bytes(zf.read(member))
-        (staging / ".complete").write_text(wheels[0].name + "\n")
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(staging, dest)  # atomic: a concurrent run sees all files or none
+            for member in sorted(names):
+                if any(fnmatchcase(member, pattern) for pattern in KEEP_SRC):
+                    target = staging / "src" / member
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(zf.read(member))
+        (staging / ".complete").write_text(f"{wheels[0].name}\n{_keep_mark()}\n")
+        old = Path(tmp) / "old"
+        if dest.exists():
+            os.replace(dest, old)  # an older cache (other KEEP lists): removed with tmp
+        os.replace(staging, dest)  # a concurrent run sees all files or none
     return dest, ""
 
 
 def require(version: str) -> Path:
-    """release_dir for pytest: skips the test with the reason when the release is unavailable."""
+    """release_dir for pytest: FAILS the test, saying why, when the release is unavailable (a skip
+    would let a CI run without the registry pass unchecked); HSX_SGLANG_WHEELS_OPTIONAL=1: skips."""
     import pytest
 
     path, why = release_dir(version)
     if path is None:
-        pytest.skip(f"SGLang {version} files unavailable: {why}")
+        msg = f"SGLang {version} files unavailable: {why}"
+        if os.environ.get("HSX_SGLANG_WHEELS_OPTIONAL") == "1":
+            pytest.skip(msg)
+        pytest.fail(f"{msg} (HSX_SGLANG_WHEELS_OPTIONAL=1 skips instead)", pytrace=False)
     return path
+
+
+def release_src(version: str) -> Path:
+    """require(version)'s KEEP_SRC files: src/sglang/... as in the wheel."""
+    return require(version) / "src"
 
 
 def make_package(version: str, site: Path) -> Path:

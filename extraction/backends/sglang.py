@@ -14,6 +14,13 @@ instance per waiting request, closed when its wait ends; a coarse poll where ino
 had), for up to `dump_timeout` seconds (default 120: the hook may hold HSX_DUMP_BUDGET_MB, 4096
 MiB by default, ahead of a request's dump, ~14 s on a ~300 MiB/s disk, plus the queueing).
 
+The server demands an API key (roles/sglang_server gives it --api-key; SGLang then answers 401 on
+every endpoint but /health without it): the client sends `Authorization: Bearer <key>` (the key from
+the config's api_key_file) on every request, and checks it at start on GET /model_info, which needs
+it: a missing or wrong key fails the start with what to fix instead of failing every sample. A 401 or
+403 later (the key was replaced and the server restarted) re-reads the file once; a key that is
+still refused fails the sample at once (SGLangAuthError), with no retry of its own.
+
 When an attempt fails:
 - a `.failed` marker (the hook could not write a piece): asked again at once with a new rid, up to
   `write_retries` times;
@@ -44,7 +51,7 @@ from typing import Any
 import torch
 
 from extraction.backends.base import ModelInfo, Sample, SampleStates
-from extraction.config import DEFAULT_DUMP_TIMEOUT
+from extraction.config import DEFAULT_DUMP_TIMEOUT, ConfigError, read_api_key
 from extraction.sglang import dumps, hook
 
 ENV_DUMP_DIR = hook.ENV_DIR  # the client reads the same variable the server's hook does
@@ -52,6 +59,10 @@ ENV_DUMP_DIR = hook.ENV_DIR  # the client reads the same variable the server's h
 
 class SGLangError(RuntimeError):
     """The server or its dump did not give usable states; the message says which sample and why."""
+
+
+class SGLangAuthError(SGLangError):
+    """The server refused the API key (HTTP 401/403): a missing or wrong key, not a passing fault."""
 
 
 class _NoAnswer(Exception):
@@ -79,8 +90,13 @@ class SGLangBackend:
         connect_retries: int = 3,
         write_retries: int = 2,
         keep_dumps: bool = False,
+        api_key: str | None = None,
+        api_key_file: str | None = None,
     ):
         self.url = server_url.rstrip("/")
+        # The key: given, or read from api_key_file (re-read when the server refuses it).
+        self.api_key_file = api_key_file
+        self.api_key = api_key if api_key is not None else self._read_key() if api_key_file else None
         self.dump_dir = dump_dir
         self.model_dir = model_dir
         self.layer_ids = list(layer_ids)
@@ -101,6 +117,7 @@ class SGLangBackend:
         if not os.path.isdir(dump_dir):
             raise SGLangError(f"dump directory {dump_dir} does not exist (the server's {hook.ENV_DIR})")
         self.wait_healthy()
+        self.check_key()
 
     @classmethod
     def from_config(cls, cfg: Any, layer_ids: list[int]) -> SGLangBackend:
@@ -116,16 +133,49 @@ class SGLangBackend:
             dtype=cfg.dtype,
             concurrency=cfg.concurrency,
             dump_timeout=cfg.dump_timeout,
+            api_key_file=getattr(cfg, "api_key_file", None),
         )
 
     # ---------------------------------------------------------------- server
 
-    def _get(self, path: str, timeout: float) -> int:
+    def _read_key(self) -> str:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
+            return read_api_key(self.api_key_file)
+        except ConfigError as exc:
+            raise SGLangAuthError(str(exc)) from None
+
+    def _headers(self, key: str | None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _key_refused(self, what: str, status: int) -> SGLangAuthError:
+        if not self.api_key:
+            why = "and none was given: set api_key_file (hsx extract --api-key-file) to the server's key file"
+        else:
+            why = (
+                f"and refused the key from {self.api_key_file or 'the one given'}: it is not the server's "
+                "(roles/sglang_server writes it to sglang_server_api_key_file)"
+            )
+        return SGLangAuthError(
+            f"{what}: {self.url} answered HTTP {status}: the server demands an API key {why}"
+        )
+
+    def _get(self, path: str, timeout: float) -> int:
+        req = urllib.request.Request(self.url + path, headers=self._headers(self.api_key))
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status
         except urllib.error.HTTPError as exc:
             return exc.code
+
+    def check_key(self) -> None:
+        """GET /model_info, which SGLang serves only with the key when it has one: SGLangAuthError
+        (what to fix) for 401/403; anything else is left to the requests to report."""
+        try:
+            status = self._get("/model_info", timeout=30)
+        except (OSError, http.client.HTTPException):
+            return
+        if status in (401, 403):
+            raise self._key_refused("checking the API key on GET /model_info", status)
 
     def wait_healthy(self) -> None:
         """Block until GET /health answers 200; SGLangError after health_timeout seconds."""
@@ -147,8 +197,8 @@ class SGLangBackend:
                 time.sleep(min(1.0, max(0.05, self.health_timeout / 50)))
 
     def _generate(self, input_ids: list[int], rid: str, sample_id: str) -> dict:
-        """POST /generate; SGLangError for an HTTP error or a reply that is not JSON, _NoAnswer for
-        a connection failure."""
+        """POST /generate; SGLangError for an HTTP error or a reply that is not JSON (SGLangAuthError
+        for a refused API key), _NoAnswer for a connection failure."""
         body = json.dumps(
             {
                 "input_ids": input_ids,
@@ -156,23 +206,41 @@ class SGLangBackend:
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
             }
         ).encode()
-        req = urllib.request.Request(
-            self.url + "/generate", data=body, headers={"Content-Type": "application/json"}, method="POST"
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=self.request_timeout) as resp:
-                status, data = resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read()[:300].decode(errors="replace")
-            raise SGLangError(f"{sample_id}: /generate answered HTTP {exc.code}: {detail}") from None
-        except (OSError, http.client.HTTPException) as exc:
-            raise _NoAnswer(f"{type(exc).__name__}: {exc}") from None
+        for fresh_key in (False, True):  # a refused key: read the file again, once
+            used = self.api_key
+            req = urllib.request.Request(
+                self.url + "/generate",
+                data=body,
+                headers={"Content-Type": "application/json", **self._headers(used)},
+                method="POST",
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=self.request_timeout) as resp:
+                    status, data = resp.status, resp.read()
+                break
+            except urllib.error.HTTPError as exc:
+                detail = exc.read()[:300].decode(errors="replace")
+                if exc.code not in (401, 403):
+                    raise SGLangError(f"{sample_id}: /generate answered HTTP {exc.code}: {detail}") from None
+                if fresh_key or not self._reload_key(used):
+                    raise self._key_refused(f"{sample_id}: POST /generate", exc.code) from None
+            except (OSError, http.client.HTTPException) as exc:
+                raise _NoAnswer(f"{type(exc).__name__}: {exc}") from None
         try:
             return json.loads(data or b"{}")
         except ValueError:
             raise SGLangError(
                 f"{sample_id}: /generate answered {status} with a body that is not JSON: {data[:100]!r}"
             ) from None
+
+    def _reload_key(self, used: str | None) -> bool:
+        """Read api_key_file again (the key was replaced and the server restarted): True if it holds
+        another key than `used`, the one refused (another request may have read it already)."""
+        if not self.api_key_file:
+            return False
+        with self._lock:
+            self.api_key = self._read_key()
+            return self.api_key != used
 
     # ---------------------------------------------------------------- one sample
 

@@ -1,9 +1,10 @@
 """Run one of the repository's playbooks through ansible-runner for `hsx recover|provision|rollout-patch`.
 
-Artifacts (events, stdout) go to `<reports>/.runner/artifacts/<ident>`, at most KEEP_ARTIFACTS
-runs kept. Nothing secret is kept there: env files are never written, the environment that
-ansible-runner records in `command` is dropped and extra-vars values are masked there; no_log
-results arrive censored from Ansible itself.
+Artifacts (events, stdout) go to `<reports>/.runner/artifacts/<ident>` (0700), at most
+KEEP_ARTIFACTS runs kept. Nothing secret is kept there: env files are never written, the environment
+that ansible-runner records in `command` (0600) is dropped and extra-vars values are masked there,
+also when the run raises (scrubbed in a `finally`), and a run killed before it could scrub is scrubbed
+by the next one; no_log results arrive censored from Ansible itself.
 """
 
 from __future__ import annotations
@@ -86,6 +87,12 @@ def scrub_artifacts(artifact_dir: str | os.PathLike) -> None:
     path.write_text(json.dumps({"command": argv, "cwd": data.get("cwd")}), encoding="utf-8")
 
 
+def scrub_all_artifacts(pdd: Path) -> None:
+    """scrub_artifacts for every run under `pdd` (one killed before it could scrub its own)."""
+    for artifact_dir in sorted((pdd / "artifacts").glob("*/")):
+        scrub_artifacts(artifact_dir)
+
+
 def absolute(path_or_pattern: str) -> str:
     """Paths the user gave relative to where they are (ansible-playbook runs in the repository)."""
     if path_or_pattern.startswith("@"):
@@ -139,23 +146,29 @@ def run_playbook(args: argparse.Namespace, playbook: str, title: str, out: TextI
     display = make_display(progress, out, title=f"hsx {title}")
     started = time.time()
     ident = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started)) + f"-{Path(playbook).stem}-{os.getpid()}"
-    runner = ansible_runner.run(
-        private_data_dir=str(private_data_dir(report_dir)),
-        project_dir=str(REPO),
-        playbook=str(path),
-        inventory=[absolute(i) for i in args.inventory] if args.inventory else None,
-        limit=args.limit,
-        tags=args.tags,
-        cmdline=cmdline_for(args) or None,
-        envvars=runner_env(),
-        ident=ident,
-        rotate_artifacts=KEEP_ARTIFACTS,
-        suppress_env_files=True,
-        quiet=True,
-        event_handler=display,
-    )
-    display.close()
-    scrub_artifacts(runner.config.artifact_dir)
+    pdd = private_data_dir(report_dir)
+    scrub_all_artifacts(pdd)
+    try:
+        runner = ansible_runner.run(
+            private_data_dir=str(pdd),
+            project_dir=str(REPO),
+            playbook=str(path),
+            inventory=[absolute(i) for i in args.inventory] if args.inventory else None,
+            limit=args.limit,
+            tags=args.tags,
+            cmdline=cmdline_for(args) or None,
+            envvars=runner_env(),
+            ident=ident,
+            rotate_artifacts=KEEP_ARTIFACTS,
+            suppress_env_files=True,
+            quiet=True,
+            event_handler=display,
+        )
+    finally:
+        # ansible-runner writes os.environ into artifacts/<ident>/command before anything else: never
+        # leave it there, whatever happened (an exception in our event handler, Ctrl-C).
+        scrub_artifacts(pdd / "artifacts" / ident)
+        display.close()
     return finish(runner, progress, report_dir, started, out)
 
 

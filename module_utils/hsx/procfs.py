@@ -1,6 +1,9 @@
 """What /proc says about a process: alive (and the same process), owner, command line, systemd unit,
 whether it holds a device open. Read by the gpu_processes module before it signals anything.
 
+The command line is redacted as it is read (hsx.redact: `--api-key K` -> `--api-key <redacted>`), so
+no copy of a secret given on a command line leaves this module, in a result, a message or a log.
+
 A pid is only a number: it names a process of this PID namespace, and may have been reused since
 it was listed. So `info()` records the start time, and `alive()` checks it again before a signal.
 """
@@ -11,6 +14,8 @@ import os
 import pwd
 from dataclasses import dataclass
 
+from .redact import redact_argv
+
 
 @dataclass
 class ProcInfo:
@@ -19,7 +24,7 @@ class ProcInfo:
     visible: bool
     start_time: str | None = None
     user: str | None = None
-    cmdline: str | None = None
+    cmdline: str | None = None  # arguments joined by spaces, redacted
     unit: str | None = None
     holds_device: bool | None = None
 
@@ -60,7 +65,7 @@ class ProcTable:
             except KeyError:
                 user = str(uid)
             argv = self._read(pid, "cmdline").split("\0")
-            cmdline = " ".join(a for a in argv if a) or f"[{self._read(pid, 'comm').strip()}]"
+            cmdline = " ".join(redact_argv(a for a in argv if a)) or f"[{self._read(pid, 'comm').strip()}]"
             unit = self._unit(self._read(pid, "cgroup"))
         except (FileNotFoundError, ProcessLookupError):
             return ProcInfo(visible=False)

@@ -1,8 +1,13 @@
 """The SGLang releases the dump patch supports: the one list every check imports.
 
-Each was tested (tests/unit/test_patch_sglang_releases.py) against the real deepseek_v2.py of its
-wheel. Floor 0.5.10: the first release whose ForwardBatch carries `rids`, which the per-request
-split needs. A new upstream release is added here only after that test passes for it.
+Each was tested against the real files of its wheel: the patch against its deepseek_v2.py
+(tests/unit/test_patch_sglang_releases.py); the server command line roles/sglang_server renders
+against its server arguments, every ForwardBatch field and ForwardMode the dump hook reads against its
+forward_batch_info.py, the client's routes and API key against its HTTP server
+(tests/unit/test_sglang_fidelity.py, by AST). Floor 0.5.10: the first release whose ForwardBatch
+carries `rids`, which the per-request split needs. A new upstream release is added here only after
+those tests pass for it (adding it here is what makes them test it); one that fails them stays out,
+and support_problem refuses it.
 
 Part of the stdlib-only core: shipped to Ansible hosts as ansible.module_utils.hsx.sglang_versions.
 """

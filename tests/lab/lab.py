@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -347,9 +348,38 @@ def launch(host: Host) -> None:
     (host.dir / "host.json").write_text(json.dumps(asdict(host)))
 
 
+def known_hosts_file() -> Path:
+    """This lab's known_hosts: the running hosts' addresses with the host keys in their own root
+    filesystems (read here, on the control node, so nothing is trusted on first use). Rewritten when
+    the running hosts change; ssh then checks strictly, as on real nodes (ansible.cfg)."""
+    path = STATE / f"{PREFIX}.known_hosts"
+    lines = []
+    for host in running_hosts():
+        for pub in sorted((host.dir / "merged" / "etc" / "ssh").glob("ssh_host_*_key.pub")):
+            fields = pub.read_text().split()
+            if len(fields) >= 2:
+                lines.append(f"{host.address} {fields[0]} {fields[1]}\n")
+    text = "".join(lines)
+    try:
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+    except OSError as exc:  # not root: ssh to the lab needs root's lab key anyway
+        print(f"lab: cannot write {path}: {exc}", file=sys.stderr)
+    return path
+
+
+def ssh_options() -> list[str]:
+    """SSH options for lab hosts (beside the lab key): host keys checked against known_hosts_file()."""
+    return ["-o", f"UserKnownHostsFile={known_hosts_file()}", "-o", "StrictHostKeyChecking=yes",
+            "-o", "LogLevel=ERROR"]
+
+
 def ssh_base(host: Host) -> list[str]:
-    return ["ssh", "-i", str(lab_key()), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-            "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=3", "-o", "BatchMode=yes", f"root@{host.address}"]
+    return ["ssh", "-i", str(lab_key()), *ssh_options(), "-o", "ConnectTimeout=3", "-o", "BatchMode=yes",
+            f"root@{host.address}"]
 
 
 def wait_booted(host: Host, deadline: float) -> str:
@@ -403,6 +433,7 @@ def down() -> None:
     for name in host_names_on_disk():
         cleanup(name)
         log(f"{name} removed")
+    (STATE / f"{PREFIX}.known_hosts").unlink(missing_ok=True)
 
 
 def running_hosts() -> list[Host]:
@@ -419,8 +450,8 @@ def inventory_data() -> dict:
             "vars": {
                 "ansible_user": "root",
                 "ansible_ssh_private_key_file": str(CACHE / "lab_key"),
-                "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"
-                                           " -o LogLevel=ERROR",
+                # Scoped to this group: host keys checked against the lab's own pinned file.
+                "ansible_ssh_common_args": " ".join(ssh_options()),
                 "ansible_python_interpreter": "/usr/bin/python3",
             },
         },

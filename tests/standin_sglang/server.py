@@ -2,8 +2,8 @@
 
 It stands in for `python -m sglang.launch_server --model-path M ...` with the dump patch applied and
 HSX_DUMP_DIR set, where no GPU (or no SGLang) is available: the lab hosts, CI, the sglang_server
-role's tests. It answers the two endpoints extraction uses, GET /health and POST /generate
-(input_ids, rid, sampling_params.max_new_tokens), and produces the dump files by calling the
+role's tests. It answers the endpoints extraction uses, GET /health, GET /model_info and POST
+/generate (input_ids, rid, sampling_params.max_new_tokens), and produces the dump files by calling the
 project's REAL hook module (extraction/sglang/hook.py, the file deployed into SGLang) with
 ForwardBatch-like objects, exactly at the point the patched model would:
 
@@ -24,10 +24,18 @@ markers in DIR/srt/models/deepseek_v2.py are executed where the patched Deepseek
 deployed in DIR. So a patch that breaks the model breaks this server at start-up, an unpatched
 install dumps nothing, and GET /hsx_patch tells which patch version the running server loaded.
 
+With --api-key K (given directly or, as the sglang_server role does, in a --config YAML file, which
+is merged as SGLang's ConfigArgumentMerger merges it) it enforces the key as SGLang's middleware does
+(sglang/srt/utils/auth.py decide_request_auth, NORMAL level): every request but OPTIONS and paths
+under /health, /ready and /metrics needs `Authorization: Bearer K` (scheme case-insensitive), else
+401 {"error": "Unauthorized"}, before any routing. (GET /hsx_patch, TEST-ONLY and not SGLang's, is
+open like /health.)
+
 What it does not model: GPU numerics, CUDA graphs, tensor parallelism, the radix cache, decode.
 
     python tests/standin_sglang/server.py --model-path DIR --port 30000 [--chunked-prefill-size 64]
         [--sglang-package /opt/sglang/venv/lib/python3.11/site-packages/sglang]
+        [--api-key K | --config FILE.yaml (holding api-key: K)]
 (unknown SGLang flags are accepted and ignored, so a unit file can keep its real command line).
 """
 
@@ -40,6 +48,7 @@ import json
 import os
 import queue
 import re
+import secrets
 import sys
 import threading
 import time
@@ -121,9 +130,12 @@ class StandInServer:
 
     def __init__(
         self, model_path: str, host: str = "127.0.0.1", port: int = 0, chunk: int = 64, dtype: str = "bf16",
-        sglang_package: str | None = None, min_request_seconds: float = 0.0,
+        sglang_package: str | None = None, min_request_seconds: float = 0.0, api_key: str | None = None,
     ):
         from extraction.backends.hf import HFBackend
+
+        self.api_key = api_key or None
+        self.model_path = model_path
 
         # A real server computes on the GPU: its client mostly waits, the host's CPUs stay free. On
         # the lab's shared CPUs a floor on each request's time gives the same shape (and keeps a
@@ -238,7 +250,23 @@ class StandInServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _authorized(self) -> bool:
+                """SGLang's decide_request_auth for a NORMAL endpoint; a 401 is sent when not."""
+                if not server.api_key or self.command == "OPTIONS":
+                    return True
+                if self.path.startswith(("/health", "/ready", "/metrics", "/hsx_patch")):
+                    return True
+                scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+                if scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), server.api_key.encode()):
+                    return True
+                self._reply(401, {"error": "Unauthorized"})
+                return False
+
             def do_GET(self):
+                if not self._authorized():
+                    return None
+                if self.path == "/model_info":
+                    return self._reply(200, {"model_path": server.model_path, "is_generation": True})
                 if self.path == "/hsx_patch":  # TEST-ONLY: the patch version this server loaded
                     return self._reply(200, server.patch_info)
                 if self.path == "/health":
@@ -248,6 +276,8 @@ class StandInServer:
                 self._reply(404, {"error": f"no route {self.path}"})
 
             def do_POST(self):
+                if not self._authorized():
+                    return None
                 if self.path != "/generate":
                     return self._reply(404, {"error": f"no route {self.path}"})
                 try:
@@ -300,6 +330,27 @@ class StandInServer:
         return f"http://{host}:{self.port}"
 
 
+def merge_config_file(argv: list[str]) -> list[str]:
+    """`--config FILE` as SGLang's ConfigArgumentMerger takes it: the YAML's keys become arguments
+    in front of the others (the command line wins), `--config FILE` is dropped."""
+    if "--config" not in argv:
+        return argv
+    import yaml
+
+    i = argv.index("--config")
+    with open(argv[i + 1], encoding="utf-8") as f:
+        config = yaml.safe_load(f) or {}
+    args: list[str] = []
+    for key, value in config.items():
+        if isinstance(value, bool):
+            args += [f"--{key}"] if value else []
+        elif isinstance(value, list):
+            args += [f"--{key}", *map(str, value)] if value else []
+        else:
+            args += [f"--{key}", json.dumps(value) if isinstance(value, dict) else str(value)]
+    return args + argv[:i] + argv[i + 2 :]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True)
@@ -310,14 +361,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sglang-package", help="run the patch and hook of this installed SGLang package")
     parser.add_argument("--min-request-seconds", type=float, default=0.0,
                         help="answer no /generate sooner than this (stands in for the GPU's time; frees the CPUs)")
-    args, _ignored = parser.parse_known_args(argv)
+    parser.add_argument("--api-key", help="demand this key as SGLang does (Authorization: Bearer)")
+    args, _ignored = parser.parse_known_args(merge_config_file(sys.argv[1:] if argv is None else argv))
     server = StandInServer(
         args.model_path, args.host, args.port, args.chunked_prefill_size, args.dtype, args.sglang_package,
-        args.min_request_seconds,
+        args.min_request_seconds, args.api_key,
     ).start()
     print(
         f"stand-in SGLang server on {server.url} (dumps: {os.environ.get(hook.ENV_DIR) or 'off'}; "
-        f"patch {server.patch_info['id']} v{server.patch_info['version']})", flush=True
+        f"patch {server.patch_info['id']} v{server.patch_info['version']}; "
+        f"API key {'demanded' if server.api_key else 'off'})", flush=True
     )
     try:
         threading.Event().wait()

@@ -84,8 +84,8 @@ def spawn(device):
     """Start real children with a recognisable tag in their command line; all are reaped at the end."""
     children = []
 
-    def start(tag: str, ignore_term: bool = False, hold_device: bool = True) -> subprocess.Popen:
-        args = [str(device) if hold_device else "-", "ignore-term" if ignore_term else "term", tag]
+    def start(tag: str, ignore_term: bool = False, hold_device: bool = True, extra: tuple = ()) -> subprocess.Popen:
+        args = [str(device) if hold_device else "-", "ignore-term" if ignore_term else "term", tag, *extra]
         child = subprocess.Popen([sys.executable, "-c", CHILD, *args], stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "ready"
         children.append(child)
@@ -231,6 +231,24 @@ def test_a_pid_that_holds_no_gpu_device_is_not_ended(spawn):
     (proc,) = result["processes"]
     assert proc["holds_device"] is False and proc["action"] == "keep" and "does not hold" in proc["reason"]
     assert imposter.poll() is None and result["changed"] is False
+
+
+def test_command_lines_are_reported_redacted_everywhere(spawn, capsys, monkeypatch):
+    """#30 item 8: `vllm serve --api-key ...` is never printed or stored as given (hsx.redact)."""
+    secrets = ("--api-key", "s3cret-1", "--hf-token=s3cret-2", "HF_TOKEN=s3cret-3")
+    vllm = spawn("fake-vllm-serve", extra=secrets)
+    trainer = spawn("trainer", extra=("--db-password", "s3cret-4"))
+    nvml = FakeNvml([holder(vllm), holder(trainer, used=3 * GIB)])
+    listed = reclaimer(nvml, patterns=["fake-vllm"]).run("present")
+    assert "s3cret" not in json.dumps(listed)
+    assert by_pid(listed)[vllm.pid]["cmdline"].endswith(
+        "fake-vllm-serve --api-key <redacted> --hf-token=<redacted> HF_TOKEN=<redacted>")
+    monkeypatch.setattr(gp, "PynvmlBackend", lambda: nvml)
+    out = run_module(capsys, state="absent", patterns=["fake-vllm"], grace_seconds=1, timeout_seconds=0.5,
+                     memory_threshold_mib=1024)
+    assert out["failed"] and f"pid {trainer.pid}" in out["msg"] and "--db-password <redacted>" in out["msg"]
+    assert "s3cret" not in json.dumps(out)
+    assert vllm.wait(timeout=5) == -signal.SIGTERM  # the allowlist still matches the redacted line
 
 
 def test_zombies_and_exited_processes_count_as_gone(spawn):

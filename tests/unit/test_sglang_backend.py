@@ -385,3 +385,133 @@ def test_waits_close_their_inotify_instances_and_poll_without_inotify(server, mo
     assert _open_fds("pipe:") == pipes  # the instances without a watch were closed
     backend.close()
     assert list(Path(dump_dir).iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- API key (issue #30 item 10)
+
+KEY = "0123456789abcdef" * 4
+
+
+@pytest.fixture
+def keyed_server(model_dir, tmp_path, monkeypatch):
+    """The stand-in demanding KEY as SGLang does with --api-key; records (method, path, Authorization)."""
+    dump_dir = tmp_path / "dumps"
+    monkeypatch.setenv(hook.ENV_DIR, str(dump_dir))
+    monkeypatch.setenv(hook.ENV_LAYERS, ",".join(map(str, LAYERS)))
+    srv = _standin().StandInServer(model_dir, chunk=16, api_key=KEY).start()
+    seen: list[tuple[str, str, str | None]] = []
+    handler = srv.httpd.RequestHandlerClass
+    real = handler._authorized
+
+    def record(self):
+        seen.append((self.command, self.path, self.headers.get("Authorization")))
+        return real(self)
+
+    monkeypatch.setattr(handler, "_authorized", record)
+    yield srv, str(dump_dir), seen
+    srv.stop()
+
+
+def _key_file(tmp_path, key: str) -> str:
+    path = tmp_path / "sglang-api-key"
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def _call(url: str, method: str = "GET", auth: str | None = None, body: bytes | None = None) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=body, method=method, headers={"Authorization": auth} if auth else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_standin_enforces_the_key_as_sglang_does(keyed_server):
+    """SGLang's decide_request_auth with --api-key: /health open, everything else 401 without
+    `Authorization: Bearer <key>` (scheme in any case), before routing."""
+    srv, _dump_dir, _seen = keyed_server
+    body = b'{"input_ids": [5, 6, 7], "rid": "k"}'
+    assert _call(f"{srv.url}/health") == (200, b"OK")
+    assert _call(f"{srv.url}/generate", "POST", body=body) == (401, b'{"error": "Unauthorized"}')
+    assert _call(f"{srv.url}/generate", "POST", "Bearer wrong", body)[0] == 401
+    assert _call(f"{srv.url}/generate", "POST", f"Basic {KEY}", body)[0] == 401
+    assert _call(f"{srv.url}/model_info")[0] == 401
+    assert _call(f"{srv.url}/no/such/route")[0] == 401  # the key is checked before the route
+    assert _call(f"{srv.url}/model_info", auth=f"bearer {KEY}")[0] == 200
+    assert _call(f"{srv.url}/generate", "POST", f"Bearer {KEY}", body)[0] == 200
+
+
+def test_standin_takes_the_key_from_a_config_file(tmp_path):
+    """`--config F` (what roles/sglang_server passes) merged as SGLang merges it: keys first."""
+    config = tmp_path / "sglang-server.yaml"
+    config.write_text(f'api-key: "{KEY}"\ntrust-remote-code: true\n')
+    argv = _standin().merge_config_file(["--model-path", "m", "--config", str(config), "--port", "1"])
+    assert argv == ["--api-key", KEY, "--trust-remote-code", "--model-path", "m", "--port", "1"]
+
+
+def test_client_sends_the_key(keyed_server, model_dir, tmp_path):
+    from extraction.backends.sglang import SGLangBackend
+
+    srv, dump_dir, seen = keyed_server
+    backend = SGLangBackend(
+        srv.url, dump_dir, model_dir, LAYERS, health_timeout=10, api_key_file=_key_file(tmp_path, KEY)
+    )
+    assert len(backend.extract(samples([5, 30]))) == 2
+    backend.close()
+    paths = {(m, p) for m, p, _ in seen}
+    assert {("GET", "/health"), ("GET", "/model_info"), ("POST", "/generate")} <= paths
+    assert {a for _, _, a in seen} == {f"Bearer {KEY}"}
+
+
+def test_missing_or_wrong_key_fails_the_start_clearly(keyed_server, model_dir, tmp_path):
+    """At start, on GET /model_info: no /generate is sent, nothing is retried."""
+    from extraction.backends.sglang import SGLangAuthError, SGLangBackend
+
+    srv, dump_dir, seen = keyed_server
+    with pytest.raises(SGLangAuthError, match=r"HTTP 401: the server demands an API key and none was given: set api_key_file"):
+        SGLangBackend(srv.url, dump_dir, model_dir, LAYERS, health_timeout=10)
+    wrong = _key_file(tmp_path, "f" * 64)
+    with pytest.raises(SGLangAuthError, match=rf"refused the key from {wrong}: it is not the server's"):
+        SGLangBackend(srv.url, dump_dir, model_dir, LAYERS, health_timeout=10, api_key_file=wrong)
+    assert [p for _, p, _ in seen].count("/model_info") == 2 and "/generate" not in [p for _, p, _ in seen]
+    with pytest.raises(SGLangAuthError, match=r"api_key_file /nonexistent/key: cannot read it: No such file"):
+        SGLangBackend(srv.url, dump_dir, model_dir, LAYERS, health_timeout=10, api_key_file="/nonexistent/key")
+
+
+def test_key_refused_mid_run_rereads_the_file_once_then_fails_the_sample(keyed_server, model_dir, tmp_path):
+    """The key replaced and the server restarted with it: the client reads the file again and goes
+    on; a key still refused fails the sample at once (one request, no retry loop)."""
+    from extraction.backends.sglang import SGLangAuthError, SGLangBackend
+
+    srv, dump_dir, seen = keyed_server
+    path = _key_file(tmp_path, KEY)
+    backend = SGLangBackend(srv.url, dump_dir, model_dir, LAYERS, health_timeout=10, api_key_file=path)
+    new = "a" * 64
+    srv.api_key = new
+    _key_file(tmp_path, new)
+    assert len(backend.extract(samples([6]))) == 1
+    srv.api_key = "b" * 64  # the file still holds `new`
+    seen.clear()
+    with pytest.raises(SGLangAuthError, match=r"s/000: POST /generate: .* HTTP 401: .* refused the key from"):
+        backend.extract(samples([6]))
+    assert [p for _, p, _ in seen] == ["/generate"]
+    backend.close()
+    assert list(Path(dump_dir).iterdir()) == []
+
+
+def test_config_checks_the_key_file(tmp_path):
+    from extraction.config import ConfigError, build_config
+
+    base = {"model": "m", "dataset": "d", "output": "o", "backend": "sglang", "server_url": "http://x"}
+    assert build_config({**base, "api_key_file": _key_file(tmp_path, KEY)}).api_key_file.endswith("sglang-api-key")
+    with pytest.raises(ConfigError, match=r"api_key_file /nonexistent: cannot read it: No such file"):
+        build_config({**base, "api_key_file": "/nonexistent"})
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match=r"holds no usable API key"):
+        build_config({**base, "api_key_file": str(empty)})
