@@ -8,6 +8,8 @@ it (the sample's output moved, or another node's copy is used) and never renames
 Why plain JSON lines (no per-line CRC as in index.jsonl): the mapping is for people and tools
 (`jq 'select(.i == 42)' mapping.jsonl`); the only damage our protocol can cause is a torn last
 line, which lacks its newline or fails to parse, and is dropped (and cut off) on the next run.
+
+Neither is read or written through a link put at its name (hsx.fsutil): one is refused, naming it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hsx.fsutil import atomic_write_bytes
+from hsx.fsutil import LinkRefused, atomic_write_bytes, nofollow_opener, open_nofollow
 from hsx.manifest import RunManifest
 
 VIEW_FORMAT = "hsx-export-view"
@@ -51,10 +53,12 @@ def read_meta(dest: str) -> dict[str, Any] | None:
     """export.json, or None when DEST has none; ExportError when it is not ours or unreadable."""
     path = os.path.join(dest, META_NAME)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", opener=nofollow_opener) as f:
             meta = json.load(f)
     except FileNotFoundError:
         return None
+    except LinkRefused as e:
+        raise ExportError(str(e)) from None
     except RecursionError:
         raise ExportError(f"{path}: unreadable export view metadata: JSON nested too deeply") from None
     except (OSError, ValueError) as e:
@@ -106,10 +110,12 @@ def read_mapping(dest: str) -> tuple[dict[int, MappingRecord], bool]:
     """
     path = os.path.join(dest, MAPPING_NAME)
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=nofollow_opener) as f:
             lines = f.readlines()
     except FileNotFoundError:
         return {}, False
+    except LinkRefused as e:
+        raise ExportError(str(e)) from None
     records: dict[int, MappingRecord] = {}
     torn = False
     for n, line in enumerate(lines, 1):
@@ -162,7 +168,7 @@ def append_mapping(dest: str, recs: Sequence[MappingRecord]) -> None:
     data = b"".join(_mapping_line(r) for r in recs)
     if not data:
         return
-    fd = os.open(os.path.join(dest, MAPPING_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_nofollow(os.path.join(dest, MAPPING_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         view = memoryview(data)
         while view:

@@ -44,6 +44,7 @@ from extraction.export_links import (
     DEFAULT_GROUP_SIZE,
     LOCK_NAME,
     apply_links,
+    check_groups,
     link_relpath,
     probe_hardlink,
 )
@@ -59,6 +60,7 @@ from extraction.export_mapping import (
     write_meta,
 )
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK
+from hsx.fsutil import open_nofollow
 from hsx.index import IndexEntry, load_index
 from hsx.layout import MANIFEST_NAME
 from hsx.manifest import ManifestError, RunManifest, manifest_mismatches, read_manifest_dict
@@ -211,8 +213,8 @@ def export_view(
         os.makedirs(dest)
     lock_path = os.path.join(dest, LOCK_NAME)
     created_lock = not os.path.lexists(lock_path)
-    try:
-        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # never through a link put at its name (hsx.fsutil.LinkRefused)
+        lock_fd = open_nofollow(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         _undo_fresh(dest, created_dest, False)
         raise ExportError(f"{dest}: cannot create its lock file: {e.strerror or e}") from None
@@ -342,12 +344,14 @@ def _export_locked(
             next_i += 1
     report.added = next_i - first_new
 
-    # 3. Preflight what could fail half-way: hard links across filesystems.
+    # 3. Preflight what could fail half-way: a group folder that is a link (not followed), hard
+    # links across filesystems.
+    check_groups(dest, want, group_size)
     if link == "hardlink":
         for out in outputs:
             sample = next((r for r in want.values() if r is not None and r.output == out), None)
             if sample is not None:
-                probe_hardlink(sample.target, dest)
+                probe_hardlink(sample, dest)
 
     # 4. Commit: metadata, then mapping (write-ahead), then links.
     if meta is None:

@@ -20,6 +20,7 @@ import re
 import socket
 import time
 
+from hsx.fsutil import open_nofollow
 from hsx.status import pid_alive
 
 LOCK_NAME = "extract.lock"
@@ -52,7 +53,9 @@ class OutputLock:
         one: the reason is returned, for the log."""
         if self._fd is not None:
             return None
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # Never through a link (fsutil.LinkRefused): root would create, truncate and write the
+        # file it points at.
+        fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             deadline = time.monotonic() + dead_holder_wait
             while True:

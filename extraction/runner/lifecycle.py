@@ -33,6 +33,7 @@ from extraction.diskguard import DiskGuard, DiskLow
 from extraction.publisher import Outcome, Work
 from extraction.shards import DiskFullError
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_PAUSED, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE
+from hsx.fsutil import LinkRefused, nofollow_opener
 from hsx.status import ERRORS_NAME, StatusReporter, now_iso
 
 
@@ -69,10 +70,16 @@ class Lifecycle:
     # ------------------------------------------------------------------ records
 
     def error(self, record: dict[str, Any]) -> None:
-        """One line of errors.jsonl."""
+        """One line of errors.jsonl; never written through a link put at its name (a RunError
+        that names it: root would append to whatever the link points at)."""
         record = {"time": now_iso(), **record}
+        path = os.path.join(self.cfg.output, ERRORS_NAME)
         with self._errors_lock:
-            with open(os.path.join(self.cfg.output, ERRORS_NAME), "a", encoding="utf-8") as f:
+            try:
+                f = open(path, "a", encoding="utf-8", opener=nofollow_opener)
+            except LinkRefused as e:
+                raise RunError(str(e)) from None
+            with f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
 
     def row_error(self, record: dict[str, Any]) -> None:

@@ -40,6 +40,7 @@ from extraction.runner.plan import UNTRUNCATED_TOKENS
 from extraction.shards import ManifestMismatchError, ShardWriter
 from hsx.errors import ShardBad, ShardIOError
 from hsx.exitcodes import EXIT_FAILED, EXIT_PAUSED, EXIT_USAGE
+from hsx.fsutil import nofollow_opener
 from hsx.index import entry_problems, read_index
 from hsx.layout import INDEX_NAME, MANIFEST_NAME
 from hsx.manifest import ManifestError, RunManifest, read_manifest_dict
@@ -187,10 +188,11 @@ def open_output(
 def end_torn_index_line(output_dir: str) -> None:
     """A crash mid-append can leave the index without its final newline; the next append would
     then be glued to the fragment and lost with it. End the fragment with a newline first, so it
-    stays a single damaged line that read_index skips. (Belongs in the shard writer; see report.)"""
+    stays a single damaged line that read_index skips. An index that is a link is refused
+    (hsx.fsutil.LinkRefused)."""
     path = os.path.join(output_dir, INDEX_NAME)
     try:
-        with open(path, "rb+") as f:
+        with open(path, "rb+", opener=nofollow_opener) as f:  # never through a link (root)
             if f.seek(0, os.SEEK_END) == 0:
                 return
             f.seek(-1, os.SEEK_END)

@@ -9,6 +9,11 @@ torch.save itself. The index's checksum is the CRC32 of the whole file (the same
 verification checksums). A crash at any point leaves either no final file, or a complete fsynced
 one that the index may not list yet (the verifier reports it as unindexed). Temp names start with
 '.' and end in '.tmp', so nothing that looks for `.pt` files ever sees one.
+
+No link below OUTPUT is followed (hsx.fsutil): shards/ and each bucket are opened once, without
+following a link (a link there is refused, naming it), and kept open; a shard's temp is created,
+renamed and (on failure) unlinked relative to its bucket's fd, so a folder swapped for a link
+meanwhile changes nothing about where the writer writes. OUTPUT itself is the operator's path.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 
 import hsx.fsutil
 from extraction.shards import torchzip
-from hsx.fsutil import fsync_dir, unlink_quiet
+from hsx.fsutil import LinkRefused, open_dir_nofollow, open_subdir, unlink_quiet
 from hsx.index import (
     IndexEntry,
     checksum_string,
@@ -34,6 +39,7 @@ from hsx.index import (
     write_index_bytes,
 )
 from hsx.layout import (
+    INDEX_NAME,
     KEY_AUX,
     KEY_HIDDEN,
     KEY_INPUT_IDS,
@@ -46,7 +52,7 @@ from hsx.layout import (
 from hsx.manifest import ManifestError, RunManifest, manifest_mismatches, read_manifest, write_manifest
 
 _DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class DiskFullError(OSError):
@@ -95,8 +101,9 @@ class _WriteErrorFile:
         self.f.flush()
 
 
-def file_crc32(path: str) -> tuple[int, int]:
+def file_crc32(path: str, dir_fd: int | None = None) -> tuple[int, int]:
     """(size, CRC32) of a whole file: the index's checksum, as `full` verification computes it.
+    `path` is relative to `dir_fd` when given; never opened through a link.
 
     Large chunks into a reused buffer; zlib.crc32 and the reads run with the GIL released, and
     the bytes of a file just written come from the page cache."""
@@ -105,7 +112,7 @@ def file_crc32(path: str) -> tuple[int, int]:
         buf = _tls.buf = bytearray(_READ_CHUNK)
     view = memoryview(buf)
     crc = pos = 0
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | _NOFOLLOW, dir_fd=dir_fd)
     try:
         while True:
             n = os.preadv(fd, [view], pos)
@@ -190,11 +197,17 @@ class ShardWriter:
         # Kept open for the writer's life, so a shard costs no open/close of its folder (for the
         # directory fsync) or of the index (for the append): each system call is also a moment
         # where a writer thread gives the GIL away and waits to take it back from the forward pass.
+        # shards/ and each bucket are opened without following a link (module docstring).
+        self._shards_fd: int | None = None
         self._dir_fds: dict[str, int] = {}
         self._index_fd: int | None = None
         # torch.save's bytes laid out directly, when they match this host's torch byte for byte.
         self._layout, self.write_mode = torchzip.layout_for(self._dtype)  # (None, why) if not
-        os.makedirs(os.path.join(self.output_dir, SHARDS_DIR), exist_ok=True)
+        os.makedirs(self.output_dir, exist_ok=True)  # OUTPUT itself: the operator's path
+        self._open_shards()  # refused here when shards/ is a link: before anything is written
+        index = os.path.join(self.output_dir, INDEX_NAME)
+        if os.path.islink(index):  # the runner reads and mends the index before its first append
+            raise LinkRefused(index)
         if os.path.exists(os.path.join(self.output_dir, MANIFEST_NAME)):
             existing = read_manifest(self.output_dir)
             mismatches = manifest_mismatches(existing, manifest)
@@ -322,7 +335,10 @@ class ShardWriter:
             if indexed:  # done and durable (an interrupt landed after it): keep them
                 raise
             for final in finals:
-                unlink_quiet(final)
+                directory = os.path.dirname(final)
+                fd = self._dir_fds.get(directory)
+                if fd is not None:  # relative to the bucket the shard was written into
+                    unlink_quiet(os.path.basename(final), dir_fd=fd)
             if isinstance(e, OSError) and _is_disk_full(e):
                 ids = ", ".join(repr(entry.sample_id) for entry in entries[:3])
                 raise DiskFullError(e.errno, f"disk full while indexing {ids}: {e}") from e
@@ -331,8 +347,11 @@ class ShardWriter:
     def close(self) -> None:
         """Close the folder and index descriptors kept open (publishing again reopens them)."""
         with self._lock:
-            fds = [*self._dir_fds.values(), *([self._index_fd] if self._index_fd is not None else [])]
-            self._dir_fds, self._index_fd = {}, None
+            fds = [
+                *self._dir_fds.values(),
+                *(fd for fd in (self._index_fd, self._shards_fd) if fd is not None),
+            ]
+            self._dir_fds, self._index_fd, self._shards_fd = {}, None, None
         for fd in fds:
             os.close(fd)
 
@@ -340,20 +359,32 @@ class ShardWriter:
         if getattr(self, "_lock", None) is not None:
             self.close()
 
+    def _open_shards(self) -> int:
+        """OUTPUT/shards, created if need be, opened without following a link: its fd, kept open."""
+        fd = self._shards_fd
+        if fd is None:
+            fd = open_dir_nofollow(self.output_dir, SHARDS_DIR, create=True)
+            with self._lock:
+                if self._shards_fd is None:
+                    self._shards_fd = fd
+                else:  # another writer thread won
+                    os.close(fd)
+                    fd = self._shards_fd
+        return fd
+
     def _ensure_dir(self, directory: str) -> int:
-        """The shard folder, created (and its parent fsynced) if need be: its fd, kept open."""
+        """The shard folder (OUTPUT/shards/<bucket>), created (and its parent fsynced) if need be,
+        opened without following a link: its fd, kept open. A shard's temp is created, renamed and
+        unlinked relative to it: one open per bucket, not per shard."""
         fd = self._dir_fds.get(directory)
         if fd is not None:
             return fd
-        if not os.path.isdir(directory):
-            try:
-                os.makedirs(directory, exist_ok=True)
-            except OSError as e:
-                if _is_disk_full(e):
-                    raise DiskFullError(e.errno, f"disk full creating {directory}: {e}") from e
-                raise
-            fsync_dir(os.path.dirname(directory))
-        fd = os.open(directory, _DIR_FLAGS)
+        try:
+            fd = open_subdir(self._open_shards(), os.path.basename(directory), directory, create=True)
+        except OSError as e:
+            if _is_disk_full(e):
+                raise DiskFullError(e.errno, f"disk full creating {directory}: {e}") from e
+            raise
         kept = self._dir_fds.setdefault(directory, fd)  # another writer thread may have won
         if kept != fd:
             os.close(fd)
@@ -361,13 +392,22 @@ class ShardWriter:
 
     def _open_temp(self, path: str) -> Any:
         """Opened exclusively, unbuffered (pieces go to one writev; no isatty/lseek a buffered
-        file costs); a seam tests use to inject write errors."""
-        return open(path, "xb", buffering=0)
+        file costs), relative to its bucket's fd and never through a link; a seam tests use to
+        inject write errors."""
+        dir_fd, name = self._ensure_dir(os.path.dirname(path)), os.path.basename(path)
+        return open(
+            path,
+            "xb",
+            buffering=0,
+            opener=lambda _p, flags: os.open(name, flags | _NOFOLLOW, 0o666, dir_fd=dir_fd),
+        )
 
     def _write_atomically(self, payload: dict[str, torch.Tensor], final: str) -> tuple[int, int]:
         """temp -> write -> fsync -> rename (commit fsyncs the folder); (size, CRC32 of the file)."""
         directory, name = os.path.split(final)
-        tmp = os.path.join(directory, temp_name(name))
+        dir_fd = self._ensure_dir(directory)  # write() opened it: a dict lookup
+        tmp_name = temp_name(name)
+        tmp = os.path.join(directory, tmp_name)
         wrapper = _WriteErrorFile(None)  # keeps the OSError of a write through a file object
         try:
             encoded = self._encode(payload)
@@ -380,10 +420,10 @@ class ShardWriter:
                 f.flush()
                 os.fsync(f.fileno())
             # After torch.save the checksum is the CRC32 of the bytes on disk, read back (page cache).
-            size, crc = (encoded.size, encoded.crc) if encoded is not None else file_crc32(tmp)
-            os.replace(tmp, final)
+            size, crc = (encoded.size, encoded.crc) if encoded is not None else file_crc32(tmp_name, dir_fd)
+            os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException as e:
-            unlink_quiet(tmp)
+            unlink_quiet(tmp_name, dir_fd=dir_fd)
             cause = wrapper.error if wrapper.error is not None else e
             if _is_disk_full(cause) or _is_disk_full(e):
                 code = getattr(cause, "errno", None) or errno.ENOSPC

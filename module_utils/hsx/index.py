@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .fsutil import open_nofollow
 from .layout import INDEX_NAME, SHARD_RELPATH_RE, shard_relpath
 
 
@@ -255,9 +256,9 @@ def append_index(output_dir: str, records: Iterable[dict[str, Any]], fsync: bool
 
 
 def open_index_for_append(output_dir: str) -> int:
-    """The index opened for appends (created if absent); a long-lived writer keeps it open."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-    return os.open(os.path.join(output_dir, INDEX_NAME), flags, 0o644)
+    """The index opened for appends (created if absent); a long-lived writer keeps it open.
+    Never through a link (fsutil.LinkRefused: root would append to whatever it points at)."""
+    return open_nofollow(os.path.join(output_dir, INDEX_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
 
 def write_index_bytes(fd: int, data: bytes, fsync: bool = True) -> None:

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any
 
+from .fsutil import atomic_write_bytes
+
 STATUS_NAME = "status.json"
 ERRORS_NAME = "errors.jsonl"
 STATES = ("starting", "running", "done", "paused: disk low", "failed", "interrupted")
@@ -29,12 +31,12 @@ def now_iso(t: float | None = None) -> str:
 
 def write_json_atomic(path: str, data: dict[str, Any]) -> None:
     """Temp -> rename in the same directory. No fsync: status is refreshed every few seconds and
-    a lost update after a power cut costs nothing (the index is the truth)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    a lost update after a power cut costs nothing (the index is the truth). The temp is the
+    writers' own kind (fsutil.atomic_write_bytes: an unguessable name, created O_EXCL|O_NOFOLLOW;
+    one a crash leaves is removed with the other orphan temps): its old name,
+    `status.json.<pid>.tmp`, could be planted as a link for root to write through."""
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    atomic_write_bytes(path, text.encode("utf-8"), durable=False)
 
 
 # status.json is read, never trusted: a crash, a bug or another user may have written it. What

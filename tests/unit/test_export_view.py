@@ -299,11 +299,11 @@ def test_crash_mid_export_leaves_a_view_the_next_run_completes(
     dest = tmp_path / "view"
     real_make_link, made = export_links._make_link, []
 
-    def dying_make_link(path, target, mode):
+    def dying_make_link(path, target, mode, **kw):
         if len(made) == 5:
             raise OSError(5, "Input/output error", path)
         made.append(path)
-        real_make_link(path, target, mode)
+        real_make_link(path, target, mode, **kw)
 
     monkeypatch.setattr(export_links, "_make_link", dying_make_link)
     assert export(capsys, out, dest)[0] == 2

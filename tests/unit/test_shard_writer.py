@@ -21,7 +21,7 @@ from extraction.shards import (
 from extraction.shards import writer as writer_mod
 from hsx.fsutil import find_orphan_temps
 from hsx.index import checksum_string, encode_index_line, load_index
-from hsx.layout import INDEX_NAME, SHARD_KEYS, bucket_of, shard_relpath, temp_name
+from hsx.layout import INDEX_NAME, SHARD_KEYS, bucket_of, is_temp_name, shard_relpath, temp_name
 from hsx.manifest import ManifestError, manifest_mismatches, read_manifest, write_manifest
 from hsx.verify import verify_output
 from hsx.verify.check import Expect, check_shard
@@ -334,7 +334,8 @@ def test_a_shard_opens_only_its_temp_file_once_its_folder_and_the_index_are_open
         os, "open", lambda path, *a, **k: (opened.append(str(path)), real_open(path, *a, **k))[1]
     )
     w.publish(sid, **tensors(4))
-    assert opened == []  # the temp file goes through open(); nothing else is opened
+    # the temp file alone, by its name relative to its folder's fd (never through a link)
+    assert len(opened) == 1 and is_temp_name(opened[0]) and "/" not in opened[0]
     fds = [*w._dir_fds.values(), w._index_fd]
     w.close()
     for fd in fds:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from ..fsutil import atomic_write_bytes, fsync_dir
+from ..fsutil import LinkRefused, atomic_write_bytes, open_dir_nofollow, remove_temps
 from ..index import append_index, tombstone_record
 from ..layout import QUARANTINE_DIR, REASON_SUFFIX
 
@@ -82,57 +82,80 @@ def finish(
     started: float,
 ) -> VerifyReport:
     """With `quarantine`, not in check mode and nothing failed to read: quarantine the bad shards
-    and delete writer temps older than orphan_min_age seconds. Then time the report."""
+    and delete writer temps older than orphan_min_age seconds. Then time the report.
+
+    Nothing is moved, written or deleted through a link below the output (fsutil): a folder on
+    the way that is one (shards/, a bucket, quarantine/) is an error of the report, naming it."""
     if quarantine and not check_mode and not report.errors:
-        _quarantine(output_dir, report, level)
-        cutoff = time.time() - orphan_min_age
-        for rel in report.orphans:
-            full = os.path.join(output_dir, rel)
-            try:
-                if os.lstat(full).st_mtime <= cutoff:
-                    os.unlink(full)
-                    report.orphans_removed += 1
-            except FileNotFoundError:
-                continue
+        try:
+            _quarantine(output_dir, report, level)
+            cutoff = time.time() - orphan_min_age
+            report.orphans_removed += len(remove_temps(output_dir, report.orphans, older_than=cutoff))
+        except LinkRefused as e:
+            report.errors.append(str(e))
     report.seconds = time.monotonic() - started
     return report
 
 
 def _quarantine(output_dir: str, report: VerifyReport, level: str) -> None:
-    """Move bad shards aside with a reason file; tombstone them and missing ones in the index."""
+    """Move bad shards aside with a reason file; tombstone them and missing ones in the index.
+
+    Every folder a move goes from or to is opened first, without following a link (LinkRefused
+    before anything moved), and the moves are renames between those folders' fds."""
     tombstones = []
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    moves: list[tuple[BadShard, str, str]] = []  # (bad shard, its folder, its quarantine folder)
     for bad in report.bad:
         if bad.reason.endswith("(not touched)"):
             if bad.sample_id is not None:
                 tombstones.append(tombstone_record(bad.sample_id, bad.reason))
             continue
-        src = os.path.join(output_dir, bad.path)
         parts = bad.path.split("/")
-        qdir = os.path.join(output_dir, QUARANTINE_DIR, *parts[1:-1])
-        os.makedirs(qdir, exist_ok=True)
-        dest = os.path.join(qdir, parts[-1])
-        n = 1
-        while os.path.lexists(dest) or os.path.lexists(dest + REASON_SUFFIX):
-            dest = os.path.join(qdir, f"{parts[-1]}.{n}")
-            n += 1
-        reason = {
-            "sample_id": bad.sample_id,
-            "path": bad.path,
-            "reason": bad.reason,
-            "level": level,
-            "at": now,
-        }
-        atomic_write_bytes(dest + REASON_SUFFIX, json.dumps(reason, indent=2).encode("utf-8") + b"\n")
-        try:
-            os.rename(src, dest)
-        except FileNotFoundError:
-            os.unlink(dest + REASON_SUFFIX)
-            continue
-        fsync_dir(os.path.dirname(src))
-        fsync_dir(qdir)
-        report.quarantined.append(os.path.relpath(dest, output_dir))
-        if bad.sample_id is not None:
-            tombstones.append(tombstone_record(bad.sample_id, bad.reason))
+        moves.append((bad, "/".join(parts[:-1]), "/".join([QUARANTINE_DIR, *parts[1:-1]])))
+    folders: dict[str, int] = {}
+    try:
+        for _, src_rel, _ in moves:  # the shards' folders first: nothing is created if one is a link
+            if src_rel not in folders:
+                folders[src_rel] = open_dir_nofollow(output_dir, src_rel)
+        for _, _, q_rel in moves:
+            if q_rel not in folders:
+                folders[q_rel] = open_dir_nofollow(output_dir, q_rel, create=True)
+        for bad, src_rel, q_rel in moves:
+            sfd, qfd = folders[src_rel], folders[q_rel]
+            name = dest = bad.path.rsplit("/", 1)[-1]
+            n = 1
+            while _lexists(dest, qfd) or _lexists(dest + REASON_SUFFIX, qfd):
+                dest = f"{name}.{n}"
+                n += 1
+            reason = {
+                "sample_id": bad.sample_id,
+                "path": bad.path,
+                "reason": bad.reason,
+                "level": level,
+                "at": now,
+            }
+            data = json.dumps(reason, indent=2).encode("utf-8") + b"\n"
+            atomic_write_bytes(dest + REASON_SUFFIX, data, dir_fd=qfd)
+            try:
+                os.rename(name, dest, src_dir_fd=sfd, dst_dir_fd=qfd)
+            except FileNotFoundError:
+                os.unlink(dest + REASON_SUFFIX, dir_fd=qfd)
+                continue
+            os.fsync(sfd)
+            os.fsync(qfd)
+            report.quarantined.append(f"{q_rel}/{dest}")
+            if bad.sample_id is not None:
+                tombstones.append(tombstone_record(bad.sample_id, bad.reason))
+    finally:
+        for fd in folders.values():
+            os.close(fd)
     tombstones.extend(tombstone_record(sid, "missing on disk") for sid in report.missing)
     append_index(output_dir, tombstones)
+
+
+def _lexists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
