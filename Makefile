@@ -10,7 +10,7 @@ PYTHON := $(shell for p in python3.11 python3 /usr/bin/python3.11; do \
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup lab-ensure lint unit molecule integration test demo clean lab-down
+.PHONY: setup lab-ensure lint unit molecule integration test demo clean lab-down collection sanity
 
 setup: $(STAMP)
 
@@ -30,6 +30,16 @@ lint: setup
 
 unit: setup
 	$(BIN)/pytest tests/unit -q
+
+# The Ansible collection hsx.recovery, generated from library/, module_utils/hsx/, filter_plugins/,
+# roles/ and playbooks/ into .cache/collection (never kept in git), and its tarball
+# (.cache/collection/dist/hsx-recovery-VERSION.tar.gz): tools/collection/build.py.
+collection: setup
+	$(BIN)/python tools/collection/build.py --tarball
+
+# ansible-test sanity on the generated collection (a stage of `make test` too).
+sanity: setup
+	tools/collection/sanity.sh
 
 molecule: lab-ensure
 	tests/molecule/run.sh

@@ -25,7 +25,8 @@ lines (in Environment= it is literal, so it is left as it is there).
 
 hsx_redact(result): a copy with secrets redacted by the one rule in module_utils/hsx/redact.py (loaded
 from this checkout by path: this runs on the control node, where ansible.module_utils.hsx is not
-importable).
+importable). The same relative path holds in the collection hsx.recovery (tools/collection/build.py:
+plugins/filter/ beside plugins/module_utils/hsx/), where roles call these as hsx.recovery.hsx_redact.
 """
 
 from __future__ import annotations

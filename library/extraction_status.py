@@ -1,4 +1,7 @@
 #!/usr/bin/python
+# Copyright: (c) 2026, hsx maintainers
+# GNU General Public License v3.0+ (see LICENSE or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Ansible module: where an extraction stands on a host (status.json + the index)."""
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ description:
   - Works on hosts where the extraction package is not installed (the code ships with the module).
   - Never changes anything; safe in check mode.
 version_added: "0.1.0"
-author: hsx team
+author:
+  - hsx maintainers (!UNKNOWN)
+requirements:
+  - python >= 3.10 on the managed host
 options:
   output_dir:
     description: The extraction output directory (holds C(run.json), C(index.jsonl), C(status.json)).
@@ -39,9 +45,16 @@ options:
     type: int
 attributes:
   check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
+    details: Reads only; runs the same in check mode.
   diff_mode:
+    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
+  platform:
+    description: Target OS/families that can be operated against.
+    support: full
+    platforms: posix
 notes:
   - A status written on another host (shared storage) cannot have its process checked;
     C(pid_alive) is then null.
@@ -162,7 +175,7 @@ def _parse_time(text: Any) -> float | None:
 def last_progress_time(history: list[Any]) -> float | None:
     """When `done` last grew, from the (time, done) history status.json keeps."""
     points = [(float(t), int(d)) for t, d in history if isinstance(t, int | float)] if history else []
-    for (_, d_prev), (t, d) in zip(reversed(points[:-1]), reversed(points), strict=False):
+    for (_t_prev, d_prev), (t, d) in zip(reversed(points[:-1]), reversed(points), strict=False):
         if d > d_prev:
             return t
     return None

@@ -1,5 +1,7 @@
 #!/usr/bin/python
-# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Copyright: (c) 2026, hsx maintainers
+# GNU General Public License v3.0+ (see LICENSE or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ description:
       (C(/dev/nvidia*) among its file descriptors). A pid NVML reports that is not visible here (a process in
       another container) is reported as such and never signalled, since the number may name a different process
       in this namespace. What /proc says about a pid is read by module_utils C(hsx.procfs).
-    - Command lines are redacted as they are read (module_utils C(hsx.redact), docs/security.md): the values of
+    - Command lines are redacted as they are read (module_utils C(hsx.redact), docs/security.md). The values of
       flags and variables named like key, token, secret, password, passwd or credential
       (C(--api-key K), C(--hf-token=K), C(HF_TOKEN=K)), credentials in URLs and bearer tokens read
       C(<redacted>) in every result and message, and O(patterns) are matched against the redacted line.
@@ -27,8 +29,9 @@ description:
       C(tests/gpu/test_gpu_reclaim.py)).
 version_added: "0.1.0"
 author:
-    - hsx maintainers
+    - hsx maintainers (!UNKNOWN)
 requirements:
+    - python >= 3.10 on the managed host
     - nvidia-ml-py (C(import pynvml)) on the managed host, where an NVIDIA driver is installed
 options:
     state:
@@ -88,10 +91,16 @@ options:
         default: false
 attributes:
     check_mode:
+        description: Can run in check_mode and return changed status prediction without modifying target.
         support: full
         details: Lists what would be ended (RV(processes[].action=would end)) and signals nothing.
     diff_mode:
+        description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
         support: none
+    platform:
+        description: Target OS/families that can be operated against.
+        support: full
+        platforms: posix
 notes:
     - Ending other users' processes needs root (C(become=true)).
     - Only compute processes are listed (C(nvmlDeviceGetComputeRunningProcesses)); graphics contexts are not.

@@ -1,4 +1,7 @@
 #!/usr/bin/python
+# Copyright: (c) 2026, hsx maintainers
+# GNU General Public License v3.0+ (see LICENSE or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Ansible module: wait until a (re)started server answers its health URL, or stop waiting as soon
 as its systemd unit shows it never will (it died, or crash-loops).
 
@@ -22,7 +25,10 @@ description:
     the task in seconds instead of after the whole timeout.
   - Never changes anything; safe in check mode (it probes as usual).
 version_added: "0.1.0"
-author: hsx team
+author:
+  - hsx maintainers (!UNKNOWN)
+requirements:
+  - python >= 3.10 on the managed host
 options:
   url:
     description: The health URL, requested from the managed host (for example C(http://127.0.0.1:30000/health)).
@@ -55,9 +61,16 @@ options:
     default: 1
 attributes:
   check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
+    details: Probes as usual and changes nothing, in check mode too.
   diff_mode:
+    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
+  platform:
+    description: Target OS/families that can be operated against.
+    support: full
+    platforms: posix
 notes:
   - C(NRestarts) needs systemd 235 or later; on an older systemd only the unit's state is watched.
 """
@@ -118,11 +131,11 @@ reason:
 
 import time
 import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.urls import open_url
 
 ARGUMENT_SPEC = dict(
     url=dict(type="str", required=True),
@@ -137,9 +150,10 @@ UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState", "Result", "NRestarts"
 
 
 def probe_url(url: str, request_timeout: float) -> tuple[int, str]:
-    """One GET: (HTTP status, "") or (0, why there was no answer)."""
+    """One GET: (HTTP status, "") or (0, why there was no answer). Through Ansible's open_url (certificates
+    validated, proxies from the environment, redirects followed; an HTTP error status raises HTTPError)."""
     try:
-        with urllib.request.urlopen(url, timeout=request_timeout) as response:  # noqa: S310 (caller's URL)
+        with open_url(url, method="GET", timeout=request_timeout) as response:
             return response.status, ""
     except urllib.error.HTTPError as e:
         return e.code, ""

@@ -1,5 +1,7 @@
 #!/usr/bin/python
-# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Copyright: (c) 2026, hsx maintainers
+# GNU General Public License v3.0+ (see LICENSE or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ description:
     - Finding bad shards does not fail the module; the caller decides (see the C(shard_verify) role).
 version_added: "0.1.0"
 author:
-    - hsx maintainers
+    - hsx maintainers (!UNKNOWN)
 options:
     path:
         description:
@@ -56,15 +58,19 @@ options:
         default: 50
 attributes:
     check_mode:
+        description: Can run in check_mode and return changed status prediction without modifying target.
         support: full
         details: Reports what would be quarantined and removed; changes nothing.
     diff_mode:
+        description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
         support: full
         details: Lists the shards that move and the temp files that are deleted.
     platform:
+        description: Target OS/families that can be operated against.
+        support: full
         platforms: posix
 requirements:
-    - python >= 3.9 on the host
+    - python >= 3.10 on the managed host
     - torch and hsx-extraction on the host for O(level=deep)
 notes:
     - Run it while the extraction job is stopped, or keep O(orphan_min_age) above the time one shard takes to write.
@@ -116,7 +122,10 @@ bad:
     returned: always
     type: list
     elements: dict
-    sample: [{"sample_id": "conv-17", "path": "shards/3f/conv-17.pt", "reason": "zip end-of-central-directory record missing (truncated or not a torch.save file)"}]
+    sample:
+        - sample_id: conv-17
+          path: shards/3f/conv-17.pt
+          reason: zip end-of-central-directory record missing (truncated or not a torch.save file)
 missing_count:
     description: Samples the index lists whose shard is not on disk.
     returned: always
@@ -177,7 +186,7 @@ import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
-from ansible.module_utils.hsx.verify import LEVELS, ManifestError, default_workers, verify_output  # noqa: E402 - Ansible modules import after their docs
+from ansible.module_utils.hsx.verify import LEVELS, ManifestError, default_workers, verify_output
 
 try:
     from extraction.shards.verify import deep_check

@@ -1,5 +1,7 @@
 #!/usr/bin/python
-# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Copyright: (c) 2026, hsx maintainers
+# GNU General Public License v3.0+ (see LICENSE or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ description:
     - Uses the same code as C(hsx patch) (module_utils C(hsx.patching)), so both read the same markers.
 version_added: "0.1.0"
 author:
-    - hsx maintainers
+    - hsx maintainers (!UNKNOWN)
 options:
     path:
         description:
@@ -100,15 +102,19 @@ options:
         type: str
 attributes:
     check_mode:
+        description: Can run in check_mode and return changed status prediction without modifying target.
         support: full
         details: Reports whether the file would change (and the diff with C(--diff)); writes nothing.
     diff_mode:
+        description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
         support: full
         details: The full before and after text of the file, rendered by Ansible as a unified diff.
     platform:
+        description: Target OS/families that can be operated against.
+        support: full
         platforms: posix
 requirements:
-    - python >= 3.9 on the host
+    - python >= 3.10 on the managed host
 seealso:
     - module: ansible.posix.patch
 """

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make test`: lint, unit + integration tests in one pytest run, and the molecule scenarios.
 #
-# Two lanes at once, each on its own lab (HSX_LAB_ID): pytest on the default lab; molecule and then
-# the 4-host patch rollout test (the longest lab test) on lab $HSX_MOLECULE_LAB_ID (9). Most of a lab
+# Two lanes at once, each on its own lab (HSX_LAB_ID): pytest on the default lab; molecule, the
+# 4-host patch rollout test (the longest lab test), then the collection (ansible-test sanity on the
+# generated hsx.recovery; its tarball installed and run by FQCN) on lab $HSX_MOLECULE_LAB_ID (9). Most of a lab
 # test's wall time is waiting (SSH round trips, systemd, a job making progress), so the lanes overlap
 # well even on 2 cores. Every stage runs even when an earlier one failed; both labs are always torn
 # down.
@@ -12,6 +13,7 @@ molecule_lab=${HSX_MOLECULE_LAB_ID:-9}
 [ "$molecule_lab" = "${HSX_LAB_ID:-}" ] && molecule_lab=8
 lane2_log=.cache/lane2.log
 lane2_tests=tests/integration/test_rollout.py
+collection_tests=tests/integration/test_collection.py
 lane2_pid=
 cleanup() {
     if [ -n "$lane2_pid" ] && kill -0 "$lane2_pid" 2>/dev/null; then
@@ -34,12 +36,14 @@ stage() {
 stage "setup: wheelhouse" .venv/bin/hsx wheelhouse .cache/wheelhouse  # the lab's (inventory/lab)
 
 mkdir -p .cache
-echo "=== lane 2: molecule, then $lane2_tests, beside pytest on lab $molecule_lab (log: $lane2_log)"
+echo "=== lane 2: molecule, $lane2_tests, the collection, beside pytest on lab $molecule_lab (log: $lane2_log)"
 (
     export HSX_LAB_ID=$molecule_lab
     status=0
     stage molecule tests/molecule/run.sh
     stage "$lane2_tests" .venv/bin/pytest "$lane2_tests" -q -p no:cacheprovider --durations=5
+    stage "collection: ansible-test sanity" tools/collection/sanity.sh
+    stage "$collection_tests" .venv/bin/pytest "$collection_tests" -q -p no:cacheprovider
     exit $status
 ) >"$lane2_log" 2>&1 &
 lane2_pid=$!
@@ -47,13 +51,13 @@ lane2_pid=$!
 stage "lint: ruff" .venv/bin/ruff check .
 stage "lint: ansible-lint (production profile)" .venv/bin/ansible-lint --profile production -q
 stage "pytest: unit + integration" .venv/bin/pytest tests/unit tests/integration -q -p no:cacheprovider \
-    --durations=12 --ignore="$lane2_tests"
+    --durations=12 --ignore="$lane2_tests" --ignore="$collection_tests"
 
-echo "=== lane 2 (lab $molecule_lab): molecule, $lane2_tests"
+echo "=== lane 2 (lab $molecule_lab): molecule, $lane2_tests, the collection"
 wait "$lane2_pid"
 lane2_rc=$?
 lane2_pid=
 cat "$lane2_log"
 echo "=== run_all.sh: $SECONDS s"
-[ "$lane2_rc" -eq 0 ] || { echo "=== FAILED: lane 2 (molecule or $lane2_tests)"; status=1; }
+[ "$lane2_rc" -eq 0 ] || { echo "=== FAILED: lane 2 (molecule, $lane2_tests or the collection)"; status=1; }
 exit $status

@@ -38,7 +38,7 @@ def cgroup_cpu_limit(
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
-        _, controllers, path = parts
+        _hier_id, controllers, path = parts
         if controllers == "":  # v2, unified: "max 100000" or "150000 100000"
             for mount_root, mount_point in v2_mounts:
                 limits += _quota_walk(mount_point, _below(path, mount_root), _v2_limit)
@@ -97,7 +97,7 @@ def _quota_walk(mount: str, path: str, read: Callable[[str], float | None]) -> l
 def _v2_limit(cgroup: str) -> float | None:
     try:
         with open(os.path.join(cgroup, "cpu.max")) as f:
-            quota, _, period = f.read().strip().partition(" ")
+            quota, _sep, period = f.read().strip().partition(" ")
         return None if quota == "max" else int(quota) / int(period or 100000)
     except (OSError, ValueError, ZeroDivisionError):
         return None

@@ -157,7 +157,7 @@ def _multmodp(a: int, b: int) -> int:
 
 def _x2n_table() -> list[int]:
     table, p = [], 1 << 30  # x^1
-    for _ in range(32):
+    for _bit in range(32):
         table.append(p)
         p = _multmodp(p, p)
     return table

@@ -29,6 +29,12 @@ TEMP_SUFFIX = ".tmp"
 REASON_SUFFIX = ".reason.json"
 BUCKET_HEX_CHARS = 2  # 256 buckets: ~146 files each at 37k samples, ~4k at 1M
 
+# Where the patched SGLang server dumps and the sglang client reads, unless told otherwise (the
+# roles' hsx_dump_dir, `hsx extract --dump-dir`, $HSX_DUMP_DIR): RAM (tmpfs), so a dump never costs
+# the output disk a second write. Under /run, which only root may write (no link can be planted there,
+# unlike world-writable /dev/shm); the server unit makes it (RuntimeDirectory=) owned by its account.
+DEFAULT_DUMP_DIR = "/run/hsx-dumps"
+
 # What a shard's path relative to the output root looks like (`shards/<bucket>/<name>.pt`): an
 # index entry whose path does not match points outside shards/ and is never touched.
 # Anchored with \A and \Z, never ^ and $: `$` also matches before a trailing newline, so
@@ -55,7 +61,7 @@ DTYPES: dict[str, tuple[str, int]] = {
     "uint8": ("ByteStorage", 1),
     "bool": ("BoolStorage", 1),
 }
-STORAGE_DTYPES = {storage: name for name, (storage, _) in DTYPES.items()}
+STORAGE_DTYPES = {storage: name for name, (storage, _size) in DTYPES.items()}
 HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
 INPUT_IDS_DTYPE = "int64"
 LOSS_MASK_DTYPES = ("int64", "int32", "uint8", "bool")

@@ -271,7 +271,7 @@ def examine(text: str, patch: Patch, force: bool = False) -> Inspection:
     if text != desired and len(origs) == 1:
         # Applied on a text that held another patch since removed: the recorded original differs,
         # the blocks are still the wanted ones.
-        kept, _, _ = _insert(original, patch, force, orig=origs.pop())
+        kept = _insert(original, patch, force, orig=origs.pop())[0]
         desired = kept if kept == text else desired
     if text == desired:
         return Inspection(
@@ -394,7 +394,9 @@ def plan(text: str, patch: Patch, state: str = "present", force: bool = False) -
     if ins.status == DAMAGED:
         raise PatchError(f"markers of {patch.patch_id} are damaged: {ins.reason}; fix the file by hand")
     if state == "absent":
-        assert ins.original is not None
+        if ins.original is None:
+            raise PatchError(f"{patch.patch_id}: the text before the patch cannot be rebuilt ({ins.reason}); "
+                             "nothing changed")
         return ins.original, ins
     if ins.status == UNSUPPORTED or ins.desired is None:
         several = "matches" in ins.reason and not force

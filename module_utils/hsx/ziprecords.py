@@ -131,7 +131,7 @@ def read_zip_records(reader: ShardReader) -> tuple[list[ZipRecord], int]:
     records: list[ZipRecord] = []
     names: set[str] = set()
     pos = 0
-    for _ in range(n_total):
+    for _record in range(n_total):
         if pos + _CDIR.size > len(cd):
             raise ShardBad("central directory shorter than its record count")
         pos_entry = pos

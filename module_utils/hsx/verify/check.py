@@ -148,7 +148,8 @@ class ShardLayout:
     __slots__ = ("get", "fingerprint", "info")
 
     def __init__(self, info: ShardInfo):
-        assert info.data is not None
+        if info.data is None:
+            raise ValueError("ShardLayout needs the whole file's bytes (ShardInfo.data)")
         recs = sorted(info.records, key=lambda r: r.header_offset)
         skip = []
         for i, r in enumerate(recs):

@@ -49,7 +49,7 @@ def verify_output(
         raise ManifestError(f"{os.path.join(output_dir, INDEX_NAME)}: cannot read: {e.strerror}") from None
     if level == "quick":
         problems, rows = verify_quick(output_dir, expect, lines, report, workers, progress)
-        add_problems(report, problems, {rel: rows[rel][0] for rel, _, _ in problems if rel in rows})
+        add_problems(report, problems, {p[0]: rows[p[0]][0] for p in problems if p[0] in rows})
     else:
         problems, ids = verify_full(output_dir, expect, lines, report, level, workers, deep_check, progress)
         add_problems(report, problems, ids)

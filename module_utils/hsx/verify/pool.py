@@ -66,7 +66,7 @@ def fork_map(
         if reap is not None and result is not None and not isinstance(result, BaseException):
             reap.append(pid)
         else:
-            _, status = os.waitpid(pid, 0)
+            status = os.waitpid(pid, 0)[1]
             if error is None and (status != 0 or result is None or isinstance(result, BaseException)):
                 error = (
                     result
@@ -93,7 +93,7 @@ def reap(pids: list[int]) -> None:
     pids.clear()
     for pid in list(_EXITING):
         try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
+            done = os.waitpid(pid, os.WNOHANG)[0]
         except ChildProcessError:  # collected by someone else's wait()
             done = pid
         if done:

@@ -90,7 +90,7 @@ def merge_quick(
     total = sum(len(p[0]) for p in parts)
     problems: list[tuple[str, str, str]] = []
     found = 0
-    for files, ok, nbytes, part_problems, orphans, unindexed, _ in parts:
+    for files, ok, nbytes, part_problems, orphans, unindexed, _extra in parts:
         report.checked += len(files)
         report.ok += ok
         report.bytes += nbytes

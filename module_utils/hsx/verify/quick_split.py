@@ -52,7 +52,7 @@ def split_by_size(jobs: list, n: int) -> list[list]:
             start = i
         acc += cost
     shares.append(jobs[start:])
-    return shares + [[] for _ in range(n - len(shares))]
+    return shares + [[] for _i in range(n - len(shares))]
 
 
 _CHUNKS_PER_WORKER = 4
@@ -207,7 +207,7 @@ def _reconcile(
     if drop and parts:
         judged = {job[3] for job in jobs} & drop  # checked by a worker: one verdict each
         for p in parts:
-            bad = {rel for rel, _, _ in p[3]}
+            bad = {problem[0] for problem in p[3]}
             p[3] = [problem for problem in p[3] if problem[0] not in drop]
             judged -= bad & drop
         parts[0][1] -= len(judged)  # passed: counted ok, with the bytes a quick pass counts

@@ -167,7 +167,8 @@ class QuickWorker:
             group = [job for job in group if job[5]]
             if not group:
                 return
-        _, paths, dir_fds, _, rows, _ = zip(*group, strict=True)
+        columns = list(zip(*group, strict=True))
+        paths, dir_fds, rows = columns[1], columns[2], columns[4]
         datas = read_files(paths, dir_fds, size + 1)  # +1: a longer file reads longer and fails the compare
         start = 0
         while not known_layouts(size, self.expect) and start < len(group):
@@ -227,7 +228,7 @@ class QuickWorker:
     def _slow(self, rel: str, row: IndexRow | None) -> None:
         """check_shard on one file, through check_batch (its verdict and reason)."""
         entry = IndexEntry(*row) if row is not None else None
-        _, ok, nbytes, problems = check_batch(self.output_dir, [(rel, entry)], "quick", self.expect, None)
+        ok, nbytes, problems = check_batch(self.output_dir, [(rel, entry)], "quick", self.expect, None)[1:]
         self.ok += ok
         self.nbytes += nbytes
         self.problems.extend(problems)

@@ -114,10 +114,10 @@ def _quarantine(output_dir: str, report: VerifyReport, level: str) -> None:
         moves.append((bad, "/".join(parts[:-1]), "/".join([QUARANTINE_DIR, *parts[1:-1]])))
     folders: dict[str, int] = {}
     try:
-        for _, src_rel, _ in moves:  # the shards' folders first: nothing is created if one is a link
+        for _bad, src_rel, _q_rel in moves:  # the shards' folders first: nothing is created if one is a link
             if src_rel not in folders:
                 folders[src_rel] = open_dir_nofollow(output_dir, src_rel)
-        for _, _, q_rel in moves:
+        for _bad, _src_rel, q_rel in moves:
             if q_rel not in folders:
                 folders[q_rel] = open_dir_nofollow(output_dir, q_rel, create=True)
         for bad, src_rel, q_rel in moves:

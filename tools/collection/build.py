@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Generate the Ansible collection hsx.recovery from the project's own files (`make collection`).
+
+The collection is GENERATED into an ignored folder (default `.cache/collection`), never kept as a
+second copy in git. One source, two layouts:
+
+    project (ansible.cfg paths)          collection (ansible_collections/hsx/recovery/)
+    library/*.py                    ->   plugins/modules/*.py     imports rewritten (below)
+    module_utils/hsx/**             ->   plugins/module_utils/hsx/**   verbatim
+    filter_plugins/*.py             ->   plugins/filter/*.py      verbatim
+    roles/**                        ->   roles/**                 links followed; filter names -> FQCN
+    playbooks/**                    ->   playbooks/**             filter names -> FQCN
+    LICENSE, tools/collection/{galaxy.yml.in,README.md,runtime.yml,config.yml} -> the collection's own
+    (generated) tests/sanity/ignore-2.19.txt: the host-side python3 scripts' shebangs (sanity_ignores)
+
+Why the two rewrites, and nothing else:
+- Modules import the core as `ansible.module_utils.hsx.X` (where ansible.cfg's `module_utils`
+  puts it). A collection's module_utils are `ansible_collections.hsx.recovery.plugins.module_utils.X`,
+  and Ansible ships to the host exactly what a module imports, so the generated copies say that
+  (`rewrite_imports`; tests/unit/test_collection_build.py proves every import is covered). The
+  core itself imports its siblings relatively only (tests/unit/test_portable_core.py), so it maps
+  as it is.
+- Roles call our modules by short name. A role inside a collection searches its own collection
+  first for modules and roles (ansible-core: a collection-hosted role puts its collection at the
+  head of its search list), so those stay. Jinja filters get no such search: a collection role
+  must name `hsx.recovery.hsx_systemd`, while the project layout only knows `hsx_systemd`
+  (filter_plugins/). The generated roles and playbooks therefore name our filters by FQCN
+  (`rewrite_filters`; the filter names come from the FilterModule, one source of truth).
+
+The modules' unit tests stay in tests/unit rather than `ansible-test units` in the collection: they
+load the modules as the project layout ships them (tests/unit/ansible_modules.py) and build real
+shards with torch and the extraction package, so running them there would need a rewritten second
+copy of each test and torch in ansible-test's venv. The generated copies are covered by sanity's
+compile and import tests (tools/collection/sanity.sh) and run installed, by FQCN, against a lab host
+in tests/integration/test_collection.py.
+
+Exit status: 0 built, 2 a source does not have the shape the rewrite relies on (the message says
+which file and line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+NAMESPACE, NAME = "hsx", "recovery"
+FQCN = f"{NAMESPACE}.{NAME}"
+PROJECT_MU = "ansible.module_utils.hsx"
+COLLECTION_MU = f"ansible_collections.{NAMESPACE}.{NAME}.plugins.module_utils.hsx"
+DEFAULT_OUT = ROOT / ".cache" / "collection"
+TEXT_SUFFIXES = {".yml", ".yaml", ".j2", ".md"}
+SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+HOST_PYTHON3_SHEBANGS = (b"#!/usr/bin/python3", b"#!/usr/bin/env python3")
+
+
+class BuildError(Exception):
+    """A source file does not have the shape the generation relies on."""
+
+
+def collection_dir(out: Path) -> Path:
+    """Where the collection lies under `out` (ansible-test needs ansible_collections/NS/NAME)."""
+    return out / "ansible_collections" / NAMESPACE / NAME
+
+
+def ansible_core_series() -> str:
+    """The running ansible-core's X.Y (constraints.txt pins it): ansible-test reads ignore-X.Y.txt."""
+    from ansible.release import __version__
+
+    return ".".join(__version__.split(".")[:2])
+
+
+def project_version() -> str:
+    """The collection's version is the package's (pyproject.toml [project] version)."""
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def rewrite_imports(source: str, where: str) -> str:
+    """`source` with every `ansible.module_utils.hsx` import naming the collection's module_utils.
+
+    Only import statements are rewritten (found by the AST, so docstrings and comments stay as
+    they are); the text after the rewrite must hold no import of the project path. BuildError
+    names the file and line of an import this cannot rewrite (e.g. `import ansible.module_utils.hsx`,
+    which would bind a different name)."""
+    lines = source.splitlines(keepends=True)
+    for node in ast.walk(ast.parse(source, filename=where)):
+        if isinstance(node, ast.Import) and any(_is_project_mu(a.name) for a in node.names):
+            raise BuildError(f"{where}:{node.lineno}: use `from {PROJECT_MU}.X import ...`, not `import`")
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and _is_project_mu(node.module or ""):
+            i = node.lineno - 1
+            new = re.sub(rf"\bfrom\s+{re.escape(PROJECT_MU)}\b", f"from {COLLECTION_MU}", lines[i], count=1)
+            if new == lines[i]:
+                raise BuildError(f"{where}:{node.lineno}: `from {PROJECT_MU}` must start the import's first line")
+            lines[i] = new
+    return "".join(lines)
+
+
+def _is_project_mu(module: str) -> bool:
+    return module == PROJECT_MU or module.startswith(PROJECT_MU + ".")
+
+
+def filter_names() -> list[str]:
+    """Our filters' names, as filter_plugins/*.py declare them (the FilterModule's dict keys)."""
+    names: list[str] = []
+    for path in sorted((ROOT / "filter_plugins").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.FunctionDef) and node.name == "filters":
+                for ret in ast.walk(node):
+                    if isinstance(ret, ast.Return) and isinstance(ret.value, ast.Dict):
+                        names += [k.value for k in ret.value.keys if isinstance(k, ast.Constant)]
+    if not names:
+        raise BuildError("filter_plugins/: no FilterModule.filters() returning a dict literal")
+    return names
+
+
+def rewrite_filters(text: str, names: list[str]) -> str:
+    """`text` (YAML/Jinja) with `| name` of each of our filters written `| hsx.recovery.name`."""
+    pattern = re.compile(r"(\|\s*)(" + "|".join(map(re.escape, names)) + r")\b")
+    return pattern.sub(lambda m: f"{m.group(1)}{FQCN}.{m.group(2)}", text)
+
+
+def _copy_tree(src: Path, dst: Path, names: list[str]) -> None:
+    """src copied to dst, links followed (a role's file may link into extraction/), our filter
+    names made FQCN in text files."""
+    shutil.copytree(src, dst, symlinks=False, ignore=SKIP)
+    for path in dst.rglob("*"):
+        if path.is_file() and path.suffix in TEXT_SUFFIXES:
+            text = path.read_text()
+            new = rewrite_filters(text, names)
+            if new != text:
+                path.write_text(new)
+
+
+def _template(name: str, version: str) -> str:
+    return (HERE / name).read_text().replace("@VERSION@", version)
+
+
+def build(out: Path) -> Path:
+    """Generate the collection under `out` (replacing an earlier one); returns its directory."""
+    coll = collection_dir(out)
+    if coll.exists():
+        shutil.rmtree(coll)
+    version, names = project_version(), filter_names()
+    modules = coll / "plugins" / "modules"
+    modules.mkdir(parents=True)
+    for path in sorted((ROOT / "library").glob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        (modules / path.name).write_text(rewrite_imports(path.read_text(), rel))
+    shutil.copytree(ROOT / "module_utils" / "hsx", coll / "plugins" / "module_utils" / "hsx", ignore=SKIP)
+    shutil.copytree(ROOT / "filter_plugins", coll / "plugins" / "filter", ignore=SKIP)
+    _copy_tree(ROOT / "roles", coll / "roles", names)
+    _copy_tree(ROOT / "playbooks", coll / "playbooks", names)
+    shutil.copy2(ROOT / "LICENSE", coll / "LICENSE")
+    (coll / "galaxy.yml").write_text(_template("galaxy.yml.in", version))
+    (coll / "README.md").write_text(_template("README.md", version))
+    (coll / "meta").mkdir()
+    shutil.copy2(HERE / "runtime.yml", coll / "meta" / "runtime.yml")
+    (coll / "tests" / "sanity").mkdir(parents=True)
+    shutil.copy2(HERE / "config.yml", coll / "tests" / "config.yml")
+    ignores = sanity_ignores(coll)
+    if ignores:
+        (coll / "tests" / "sanity" / f"ignore-{ansible_core_series()}.txt").write_text("".join(ignores))
+    return coll
+
+
+def sanity_ignores(coll: Path) -> list[str]:
+    """The collection's only ansible-test ignores, one line per file, each saying why: scripts a role
+    installs on the managed host and runs there with Debian's python3 (`python` does not exist there),
+    whose shebang ansible-test's list of allowed ones (only `/usr/bin/env python`) lacks."""
+    lines = []
+    for path in sorted((coll / "roles").glob("*/files/**/*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                first = f.readline().strip()
+            if first in HOST_PYTHON3_SHEBANGS:
+                lines.append(f"{path.relative_to(coll)} shebang # {first.decode()}: runs on the managed host (Debian: "
+                             "python3, no `python`); ansible-test allows only `/usr/bin/env python`\n")
+    return lines
+
+
+def build_tarball(coll: Path, dest: Path) -> Path:
+    """`ansible-galaxy collection build` of the generated collection into `dest`; the tarball."""
+    dest.mkdir(parents=True, exist_ok=True)
+    galaxy = Path(sys.executable).parent / "ansible-galaxy"
+    subprocess.run([str(galaxy), "collection", "build", "--force", "--output-path", str(dest), str(coll)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return dest / f"{NAMESPACE}-{NAME}-{project_version()}.tar.gz"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="generate OUT/ansible_collections/hsx/recovery (default: .cache/collection)")
+    parser.add_argument("--tarball", action="store_true", help="also build OUT/dist/hsx-recovery-VERSION.tar.gz")
+    args = parser.parse_args(argv)
+    try:
+        coll = build(args.out.resolve())
+    except BuildError as e:
+        print(f"collection: {e}", file=sys.stderr)
+        return 2
+    print(coll)
+    if args.tarball:
+        print(build_tarball(coll, args.out.resolve() / "dist"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

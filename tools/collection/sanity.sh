@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# `ansible-test sanity` on the generated collection hsx.recovery (`make collection-sanity`, and a
+# stage of tests/run_all.sh): every test ansible-test has for a collection, 0 errors. The only ignore
+# lines are generated (build.py sanity_ignores): the shebangs of host-side python3 scripts in roles.
+#
+# ansible-test runs each test in a virtual environment of its own (~/.ansible/test/venv, reused by
+# later runs), made without pip; it puts pip in with a get-pip.py script that it downloads once into
+# ~/.ansible/test/cache/ - from a host our build machines cannot reach. We pre-seed that cache entry
+# with tools/collection/get_pip_ensurepip.py (pip from ensurepip, then the pip version ansible-test
+# wants from the configured package index: pip.conf / PIP_*), which gives the same venv. An entry a
+# user put there themselves (the real get-pip.py) is left alone. The tests' own requirements then
+# come from the configured index too.
+#
+# --local --python 3.11: the controller's Python (the lab's Debian bookworm hosts run 3.11 too); the
+# modules' minimum (3.10) is declared in the collection's tests/config.yml.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BIN=$PWD/.venv/bin
+out=${HSX_COLLECTION_OUT:-$PWD/.cache/collection}
+coll=$("$BIN/python" tools/collection/build.py --out "$out")
+
+pip_version=$("$BIN/python" -c 'import types
+from ansible_test._internal.python_requirements import get_venv_packages
+print(get_venv_packages(types.SimpleNamespace(version="3.11"))["pip"])')
+cache=$HOME/.ansible/test/cache/get_pip_${pip_version//./_}.py
+marker="A stand-in for the get-pip.py script ansible-test downloads"
+if [ ! -e "$cache" ] || grep -q "$marker" "$cache"; then
+    mkdir -p "$(dirname "$cache")"
+    cp tools/collection/get_pip_ensurepip.py "$cache"
+fi
+
+# ansible-test takes a collection's files from git when a folder above it holds .git: here the
+# checkout's, which ignores .cache/, so it would find nothing to test. The generated collection is
+# made a repository of its own (nothing committed: git lists its untracked files), which stops the
+# search there.
+git -C "$coll" init -q
+cd "$coll"
+rc=0
+PATH=$BIN:$PATH "$BIN/ansible-test" sanity --local --python 3.11 --color no "$@" || rc=1
+
+# The modules' declared minimum, 3.10 (tests/config.yml): compile and import them there too, when
+# this machine has that interpreter (on PATH, or one pyenv installed; chosen by running it, since a
+# pyenv shim can name one that is not installed). 3.9 fails these (dataclass slots=True).
+py310=
+for cand in python3.10 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.10*/bin/python3.10; do
+    py310=$("$cand" -c 'import sys; assert sys.version_info[:2] == (3, 10); print(sys.executable)' 2>/dev/null) \
+        && break
+done
+if [ -n "$py310" ] && [ $# -eq 0 ]; then
+    PATH=$(dirname "$py310"):$BIN:$PATH "$BIN/ansible-test" sanity --local --python 3.10 --color no --test compile --test import \
+        || rc=1
+else
+    echo "collection sanity: no python3.10 here; the 3.10 compile/import check did not run"
+fi
+exit $rc
