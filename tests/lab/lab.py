@@ -43,14 +43,21 @@ SUITE = "bookworm"
 CACHE = Path(os.environ.get("HSX_LAB_CACHE", "/var/cache/hsx-lab"))
 STATE = Path(os.environ.get("HSX_LAB_STATE", "/var/lib/hsx-lab"))
 REPO = Path(__file__).resolve().parents[2]
-# Packages inside every host. python3-venv: extraction_deploy builds a venv on the host.
+# Packages inside every host. python3-venv: extraction_deploy builds a venv on the host;
+# prometheus-node-exporter: the distribution's node_exporter, running, its textfile collector
+# reading /var/lib/prometheus/node-exporter (roles/monitoring, tests/integration/test_monitoring.py).
 ROOTFS_PACKAGES = [
     "systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "openssh-server",
-    "iproute2", "sudo", "procps", "e2fsprogs",
+    "iproute2", "sudo", "procps", "e2fsprogs", "prometheus-node-exporter",
 ]
+# prometheus: promtool (the metrics and alert-rule tests) and the server the monitoring test runs.
 CONTROL_PACKAGES = {"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container",
                     "ssh": "openssh-client", "ssh-keygen": "openssh-client",
-                    "mkfs.ext4": "e2fsprogs", "ip": "iproute2"}
+                    "mkfs.ext4": "e2fsprogs", "ip": "iproute2",
+                    "promtool": "prometheus", "prometheus": "prometheus"}
+# Installed without their recommends: prometheus would bring a node_exporter and its collectors'
+# timers to the control node, which runs only the test's own server.
+NO_RECOMMENDS = {"prometheus"}
 # Units that cannot work inside a container and would only make the host "degraded".
 MASKED_UNITS = ["console-getty.service", "getty@.service", "systemd-remount-fs.service",
                 "systemd-timesyncd.service", "apt-daily.timer", "apt-daily-upgrade.timer",
@@ -81,7 +88,12 @@ def ensure_control_packages() -> None:
     log(f"installing {' '.join(missing)} (apt)")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     run(["apt-get", "update", "-qq"], env=env, timeout=600)
-    run(["apt-get", "install", "-y", "-qq", *missing], env=env, timeout=900)
+    plain = [p for p in missing if p not in NO_RECOMMENDS]
+    if plain:
+        run(["apt-get", "install", "-y", "-qq", *plain], env=env, timeout=900)
+    lean = [p for p in missing if p in NO_RECOMMENDS]
+    if lean:
+        run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *lean], env=env, timeout=900)
 
 
 def debian_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
