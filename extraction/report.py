@@ -123,7 +123,8 @@ def _checks(f: dict[str, Any]) -> list[dict[str, Any]]:
             "storage",
             True,
             f"{_int(storage.get('free_bytes'))} bytes free on {storage.get('mount')}, need "
-            f"{_int(storage.get('need_bytes'))} for {storage.get('remaining_samples')} remaining samples",
+            f"{_int(storage.get('need_bytes'))} for {storage.get('remaining_samples')} remaining samples"
+            + (f"; {(storage.get('dumps') or {}).get('message')}" if isinstance(storage.get("dumps"), dict) else ""),
         )
     shards = f.get("shard_verify_result")
     if shards and not shards.get("skipped"):

@@ -14,12 +14,20 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from extraction.fleet.events import failure_message
-from extraction.fleet.playbook import REPORTS, absolute, private_data_dir, runner_env, scrub_artifacts
+from extraction.fleet.playbook import (
+    REPORTS,
+    absolute,
+    private_data_dir,
+    prune_artifacts,
+    runner_env,
+    scrub_artifacts,
+)
 from hsx.status import format_eta, parse_status
 
 DEFAULT_OUTPUT_DIR = "/data/hsx/output"
 OUTPUT_DIR_ARG = "{{ hsx_output_dir | default('" + DEFAULT_OUTPUT_DIR + "') }}"
-KEEP_ARTIFACTS = 5
+KEEP_ARTIFACTS = 5  # fleet-status runs kept (its own kind: recover/provision/rollout keep theirs)
+ARTIFACT_KIND = "fleet-status"
 UNREACHABLE, FAILED, NO_JOB, STALLED = "UNREACHABLE", "MODULE FAILED", "NO JOB", "NOT PROGRESSING"
 
 
@@ -119,9 +127,10 @@ def _adhoc(
     import ansible_runner
 
     cmdline = "--become" if become else None
-    ident = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-fleet-status-{module.rsplit('.', 1)[-1]}"
+    ident = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{ARTIFACT_KIND}-{module.rsplit('.', 1)[-1]}"
+    pdd = private_data_dir(report_dir)
     runner = ansible_runner.run(
-        private_data_dir=str(private_data_dir(report_dir)),
+        private_data_dir=str(pdd),
         module=module,
         module_args=module_args,
         host_pattern=limit or "all",
@@ -129,12 +138,13 @@ def _adhoc(
         cmdline=cmdline,
         envvars=runner_env(),
         ident=ident,
-        rotate_artifacts=KEEP_ARTIFACTS,
+        rotate_artifacts=0,  # ours, per kind: never another kind's runs
         suppress_env_files=True,
         quiet=True,
         event_handler=collector,
     )
     scrub_artifacts(runner.config.artifact_dir)
+    prune_artifacts(pdd, ARTIFACT_KIND, KEEP_ARTIFACTS)
     return runner
 
 

@@ -1,7 +1,9 @@
 """Run one of the repository's playbooks through ansible-runner for `hsx recover|provision|rollout-patch`.
 
-Artifacts (events, stdout) go to `<reports>/.runner/artifacts/<ident>` (0700), at most
-KEEP_ARTIFACTS runs kept. Nothing secret is kept there: env files are never written, the environment
+Artifacts (events, stdout) go to `<reports>/.runner/artifacts/<ident>` (0700), idents
+`<UTC stamp>-<kind>-...`; one retention rule, per kind (`prune_artifacts`): the newest KEEP_ARTIFACTS
+runs of each playbook are kept (fleet-status keeps its own 5), and a run never removes another
+kind's (ansible-runner's own rotation, which counts every kind together, is off). Nothing secret is kept there: env files are never written, the environment
 that ansible-runner records in `command` (0600) is dropped and extra-vars values are masked there,
 also when the run raises (scrubbed in a `finally`), and a run killed before it could scrub is scrubbed
 by the next one; no_log results arrive censored from Ansible itself.
@@ -12,7 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
+import shutil
+import stat
 import sys
 import time
 from pathlib import Path
@@ -87,6 +92,26 @@ def scrub_artifacts(artifact_dir: str | os.PathLike) -> None:
     path.write_text(json.dumps({"command": argv, "cwd": data.get("cwd")}), encoding="utf-8")
 
 
+def prune_artifacts(pdd: Path, kind: str, keep: int) -> list[Path]:
+    """The one retention rule: of the runs of `kind` under `pdd/artifacts` (directories named
+    `<YYYYmmddTHHMMSSZ>-<kind>-...`), keep the newest `keep` and remove the rest; returns what it
+    removed. Other kinds, other names and links are never touched (a link is not a run of ours)."""
+    pattern = re.compile(r"\d{8}T\d{6}Z-" + re.escape(kind) + r"-.*", re.DOTALL)
+    runs = []
+    for entry in (pdd / "artifacts").glob("*"):
+        try:
+            is_dir = stat.S_ISDIR(entry.lstat().st_mode)
+        except OSError:
+            continue
+        if is_dir and pattern.fullmatch(entry.name):
+            runs.append(entry)
+    runs.sort(key=lambda p: p.name)  # the stamp leads the name: oldest first
+    doomed = runs[: max(len(runs) - keep, 0)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
 def scrub_all_artifacts(pdd: Path) -> None:
     """scrub_artifacts for every run under `pdd` (one killed before it could scrub its own)."""
     for artifact_dir in sorted((pdd / "artifacts").glob("*/")):
@@ -159,7 +184,7 @@ def run_playbook(args: argparse.Namespace, playbook: str, title: str, out: TextI
             cmdline=cmdline_for(args) or None,
             envvars=runner_env(),
             ident=ident,
-            rotate_artifacts=KEEP_ARTIFACTS,
+            rotate_artifacts=0,  # ours, per kind (prune_artifacts below)
             suppress_env_files=True,
             quiet=True,
             event_handler=display,
@@ -168,6 +193,7 @@ def run_playbook(args: argparse.Namespace, playbook: str, title: str, out: TextI
         # ansible-runner writes os.environ into artifacts/<ident>/command before anything else: never
         # leave it there, whatever happened (an exception in our event handler, Ctrl-C).
         scrub_artifacts(pdd / "artifacts" / ident)
+        prune_artifacts(pdd, Path(playbook).stem, KEEP_ARTIFACTS)
         display.close()
     return finish(runner, progress, report_dir, started, out)
 

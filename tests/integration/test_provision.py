@@ -49,10 +49,13 @@ def test_provision_installs_everything_and_starts_nothing(provisioned):
         helped = lab_ssh(host, "/opt/hsx/venv/bin/hsx --help")
         assert helped.returncode == 0 and "extract" in helped.stdout, helped.stderr[-500:]
         for path in ("/opt/hsx/venv/bin/python", "/opt/hsx/wheelhouse/wheelhouse.json", "/etc/hsx/extract.yaml",
-                     "/data/hsx/dumps", f"{PATCHED}", "/opt/sglang/venv/lib/python3.11/site-packages/sglang/hsx_dump_hook.py"):
+                     "/run/hsx-dumps", f"{PATCHED}", "/opt/sglang/venv/lib/python3.11/site-packages/sglang/hsx_dump_hook.py"):
             assert lab_ssh(host, f"test -e {path}").returncode == 0, f"{host}: {path} missing"
         config = lab_ssh(host, "cat /etc/hsx/extract.yaml").stdout
         assert "backend: sglang" in config and "server_url: http://127.0.0.1:30000" in config, config
+        # Dumps in RAM (#29 item 2): the tmpfs directory, the hsx account's, in the job's config.
+        assert "dump_dir: /run/hsx-dumps" in config, config
+        assert lab_ssh(host, "stat -c '%U %a %F' /run/hsx-dumps").stdout.strip() == "hsx 750 directory"
         assert lab_ssh(host, f"grep -c '# >>> hsx-patch hsx-sglang-dump block=.* v=2 ' {PATCHED}").stdout.strip() == "2"
         loaded = lab_ssh(host, f"systemctl show -p LoadState --value {UNITS}").stdout.split()
         active = lab_ssh(host, f"systemctl is-active {UNITS}").stdout.split()
@@ -61,6 +64,7 @@ def test_provision_installs_everything_and_starts_nothing(provisioned):
         assert enabled == ["disabled", "disabled"], (host, enabled)
     summary = next(reports.glob("*-provision/summary.md")).read_text()
     assert "# Provisioning report" in summary and "2 of 2 hosts ok." in summary, summary
+    assert "dumps in RAM at /run/hsx-dumps: " in summary, summary  # the storage line says where, with numbers
 
 
 def changed_tasks(output: str) -> list[str]:

@@ -37,6 +37,11 @@ EXTRACTION = {
     "extraction_job_stop_timeout_sec": 120,
     "extraction_job_stop_notice": f"/opt/hsx/{ODD_EXE}/libexec/hsx-job-stopped",
     "extraction_job_environment": {"HOSTILE": ODD, "EMPTY": "", "PLAIN": "1", "DOLLAR": "$PATH"},
+    "extraction_job_dump_dir": f"/run/{ODD}/dumps",
+    "extraction_job_user": "hsx",
+    "extraction_job_group": "hsx",
+    "extraction_job_hardening": True,
+    "extraction_job_metrics_dir": f"/var/lib/{ODD}/textfile",
 }
 SGLANG_ARGV = [f"/opt/sglang/{ODD_EXE}/bin/python", "-m", "sglang.launch_server", "--model-path", f"/data/models/{ODD}",
                "--port", "30000", "--served-model-name", "a;b", "--chat-template", "", "--x", "%i$$"]
@@ -47,6 +52,10 @@ SGLANG = {
     "_sglang_server_env": {"HSX_DUMP_DIR": f"/data/hsx/{ODD}/dumps", "HSX_DUMP_LAYERS": "1,3,4", "ODD": ODD},
     "sglang_server_restart_sec": 30,
     "sglang_server_stop_timeout_sec": 120,
+    "sglang_server_user": "hsx",
+    "sglang_server_group": "hsx",
+    "sglang_server_hardening": True,
+    "sglang_server_device_allow": ["char-nvidia-frontend rw", "char-nvidia-uvm rw", "/dev/nvidia-caps/x%y r"],
 }
 TEMPLATES = {
     "extraction": ROOT / "roles/extraction_job/templates/hsx-extraction.service.j2",
@@ -179,9 +188,28 @@ def test_extraction_unit_reads_back_exactly_as_given(rendered):
     # The exit-75/2 notice: a script the role deploys, given the unit and the config as arguments.
     assert view["ExecStopPost"] == [[v["extraction_job_stop_notice"], v["extraction_job_unit"],
                                      v["extraction_job_config_path"]]]
-    assert sorted(view["Environment"]) == sorted(f"{k}={x}" for k, x in v["extraction_job_environment"].items())
+    assert sorted(view["Environment"]) == sorted([*(f"{k}={x}" for k, x in v["extraction_job_environment"].items()),
+                                                  "PYTHONPYCACHEPREFIX=/var/cache/hsx/pycache"])
     assert view["Description"] == [f"hsx hidden-state extraction ({v['extraction_job_output_dir']})"]
-    assert view["RequiresMountsFor"] == [v["extraction_job_output_dir"]]
+    # PrivateTmp= and CacheDirectory= add their own (systemd lists them in no fixed order).
+    assert set(view["RequiresMountsFor"]) == {v["extraction_job_output_dir"], "/var/tmp", "/var/cache/hsx"}
+
+
+@needs_systemd
+def test_extraction_unit_is_sandboxed_writing_only_what_the_job_writes(rendered):
+    """Least privilege (#30 item 11): the account, and exactly OUTPUT, the dump and metrics directories
+    writable (the metrics one may be absent: '-'); systemd dumps the list space-joined."""
+    view, _ = systemd_view(rendered, "hsx-extraction.service")
+    v = EXTRACTION
+    assert view["User"] == ["hsx"] and view["Group"] == ["hsx"] and view["UMask"] == ["0027"]
+    assert view["ReadWritePaths"] == [" ".join([v["extraction_job_output_dir"], v["extraction_job_dump_dir"],
+                                                "-" + v["extraction_job_metrics_dir"]])]
+    for name, value in [("ProtectSystem", "strict"), ("ProtectHome", "yes"), ("PrivateTmp", "yes"),
+                        ("PrivateDevices", "yes"), ("RestrictSUIDSGID", "yes"),
+                        ("ProtectKernelTunables", "yes"), ("ProtectKernelModules", "yes"),
+                        ("ProtectControlGroups", "yes"), ("CapabilityBoundingSet", "")]:
+        assert view.get(name) == [value], (name, view.get(name))
+    assert "RemoveIPC" not in view or view["RemoveIPC"] == ["no"]  # the server shares the account's IPC
 
 
 @needs_systemd
@@ -191,8 +219,22 @@ def test_sglang_unit_reads_back_exactly_as_given(rendered):
     assert view["ExecStart"] == [SGLANG_ARGV]
     assert sorted(view["Environment"]) == sorted(f"{k}={x}" for k, x in SGLANG["_sglang_server_env"].items())
     assert view["Description"] == [f"SGLang server with the hsx dump hook ({SGLANG['sglang_server_model_path']})"]
-    assert sorted(view["RequiresMountsFor"]) == sorted([SGLANG["sglang_server_dump_dir"],
-                                                        SGLANG["sglang_server_model_path"]])
+    # PrivateTmp= and StateDirectory= add their own (systemd lists them in no fixed order).
+    assert set(view["RequiresMountsFor"]) == {SGLANG["sglang_server_dump_dir"], SGLANG["sglang_server_model_path"],
+                                              "/var/tmp", "/var/lib/hsx"}
+
+
+@needs_systemd
+def test_sglang_unit_is_sandboxed_with_only_the_gpu_devices(rendered):
+    view, _ = systemd_view(rendered, "hsx-sglang-server.service")
+    assert view["User"] == ["hsx"] and view["UMask"] == ["0077"]
+    assert view["ReadWritePaths"] == [SGLANG["sglang_server_dump_dir"]]
+    assert view["DevicePolicy"] == ["closed"]
+    assert set(view["DeviceAllow"]) >= {"char-nvidia-frontend rw", "char-nvidia-uvm rw", "/dev/nvidia-caps/x%y r"}
+    for name, value in [("ProtectSystem", "strict"), ("ProtectHome", "read-only"), ("PrivateTmp", "yes"),
+                        ("PrivateDevices", "no"), ("RestrictSUIDSGID", "yes"),
+                        ("StateDirectory", "hsx")]:
+        assert view.get(name) == [value], (name, view.get(name))
 
 
 def test_no_shell_string_interpolates_a_value():
