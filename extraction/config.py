@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hsx.layout import DEFAULT_DUMP_DIR
+
 BACKENDS = ("hf", "sglang")
 PUBLISHERS = ("auto", "process", "thread")
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
@@ -36,6 +38,12 @@ def read_api_key(path: str) -> str:
     if not key or any(c.isspace() for c in key) or not key.isprintable() or not key.isascii():
         raise ConfigError(f"api_key_file {path}: holds no usable API key (one line of printable ASCII)")
     return key
+
+
+def default_dump_dir() -> str:
+    """The sglang backend's dump directory when no option names one: $HSX_DUMP_DIR, else RAM
+    (hsx.layout.DEFAULT_DUMP_DIR, the roles' default too)."""
+    return os.environ.get("HSX_DUMP_DIR") or DEFAULT_DUMP_DIR
 
 
 def parse_bytes(value: Any) -> int:
@@ -80,6 +88,7 @@ class ExtractConfig:
     num_shards: int = 1
     limit: int | None = None
     status_interval: float = 3.0
+    metrics_textfile_dir: str | None = None  # node_exporter's textfile directory (extraction/runner/metrics.py)
     progress: str = "auto"  # auto | on | off (tqdm bar; auto = only on a terminal)
 
     def check(self) -> None:
@@ -109,6 +118,8 @@ class ExtractConfig:
             raise ConfigError(f"--retries must be >= 0, got {self.retries}")
         if self.publisher not in PUBLISHERS:
             raise ConfigError(f"--publisher must be one of {', '.join(PUBLISHERS)}, got {self.publisher!r}")
+        if self.metrics_textfile_dir is not None and not os.path.isabs(self.metrics_textfile_dir):
+            raise ConfigError(f"--metrics-textfile-dir must be an absolute path, got {self.metrics_textfile_dir!r}")
         if self.progress not in ("auto", "on", "off"):
             raise ConfigError(f"--progress must be auto, on or off, got {self.progress!r}")
 
@@ -135,7 +146,8 @@ _HELP = {
     "output": "output directory (run.json, index.jsonl, shards/, status.json, errors.jsonl)",
     "backend": "hf (in-process transformers) or sglang (patched server)",
     "server_url": "SGLang server URL (sglang backend)",
-    "dump_dir": "directory the patched SGLang server dumps into (sglang backend; default $HSX_DUMP_DIR)",
+    "dump_dir": "directory the patched SGLang server dumps into (sglang backend; default $HSX_DUMP_DIR, "
+    f"else {DEFAULT_DUMP_DIR}: RAM)",
     "api_key_file": "file holding the SGLang server's API key (its --api-key), sent as 'Authorization: Bearer' "
     "(sglang backend; the Ansible roles use /etc/hsx/sglang-api-key)",
     "layers": "capture layers: auto = [2, N//2, N-3], or a,b,c (optionally 'specforge:a,b,c')",
@@ -145,7 +157,7 @@ _HELP = {
     "cpu_threads": "torch threads for the forward on a CPU device; default: every core but one per writer "
     "thread and one for the tokenizer (or OMP_NUM_THREADS when set)",
     "max_length": "truncate samples to this many tokens (recorded per sample)",
-    "batch_size": "samples per forward (hf) / per round of requests (sglang)",
+    "batch_size": "samples per forward (hf); sglang: the plan's unit only (requests stream, --concurrency in flight)",
     "concurrency": "requests in flight (sglang)",
     "dump_timeout": "seconds to wait for a request's dump files after its reply (sglang; default 120: "
     "the server's hook writes behind the reply, with up to HSX_DUMP_BUDGET_MB queued: 4096 MiB at "
@@ -161,6 +173,8 @@ _HELP = {
     "num_shards": "number of nodes splitting the dataset by a hash of the sample id",
     "limit": "process at most this many of this node's samples",
     "status_interval": "seconds between status.json updates",
+    "metrics_textfile_dir": "node_exporter's textfile directory (Debian: /var/lib/prometheus/node-exporter): "
+    "the run's metrics go there too, as hsx-<key>.prom, beside OUTPUT/metrics.prom",
     "progress": "tqdm bar: auto (on a terminal), on, off",
 }
 
@@ -228,9 +242,11 @@ def build_config(args: argparse.Namespace | dict[str, Any]) -> ExtractConfig:
                 merged[name] = str(value) if not isinstance(value, str) else value
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{source}: option {name!r}: {e}") from None
-    for name in ("model", "dataset", "output", "api_key_file"):
+    for name in ("model", "dataset", "output", "api_key_file", "metrics_textfile_dir"):
         if merged.get(name):
             merged[name] = os.path.expanduser(merged[name])
+    if merged.get("backend") == "sglang" and not merged.get("dump_dir"):
+        merged["dump_dir"] = default_dump_dir()
     cfg = ExtractConfig(**merged)
     cfg.check()
     return cfg

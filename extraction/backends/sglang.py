@@ -4,8 +4,13 @@ The bulk states never travel over HTTP (`return_hidden_states` sends JSON float 
 slower): each sample is one POST /generate with its input_ids, a unique rid and max_new_tokens 1;
 the server's dump hook writes the request's states to files in the dump directory (same node),
 which we join (chunked prefill), check (the dumped input_ids must be the ones we sent, the layer
-ids the ones the run records) and delete. Requests run `concurrency` at a time so the server can
-batch them.
+ids the ones the run records) and delete. The runner streams samples to `extract_one`, keeping
+`window` (= --concurrency) requests in flight at all times, so the server always has requests to
+batch (extraction/runner/stream.py); `extract(samples)` runs a list at once (tests, tools).
+
+A one-piece dump is published straight from the mapped file (torch.load mmap; the file is unlinked
+once read, its pages live until the shard is written): no copy. A request chunked prefill cut into
+pieces is joined with one copy (torch.cat), as the shard needs one contiguous tensor.
 
 The reply does not wait for the dump (docs/sglang_hook.md says why): when it leaves, the hook's
 writer thread has taken every piece of the request, not necessarily written them. So the client
@@ -32,6 +37,12 @@ An attempt given up leaves no dump: its files are removed at once, and again (fo
 had not written yet) once a request sent after it has its dump in, as the hook's one writer writes
 in order, and at close(). With several writers (DP attention: one per attention-TP group) a late
 piece can land after that sweep; close() still removes what has landed by then.
+
+After a crash (kill -9 of this client, or of the server mid-write) the next client removes what
+no live request will read: the killed client's dumps (its rids carry another client token, and its
+late pieces land after it died) and the dead server's temp files (dumps.stale_names). It does so at
+start, every STALE_SWEEP_SECONDS while it runs, and at close, and only while it holds the dump
+directory's client lock (one client per dump directory; a second one leaves others' files alone).
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ from extraction.config import DEFAULT_DUMP_TIMEOUT, ConfigError, read_api_key
 from extraction.sglang import dumps, hook
 
 ENV_DUMP_DIR = hook.ENV_DIR  # the client reads the same variable the server's hook does
+STALE_SWEEP_SECONDS = 1.0  # how often, at most, the dump directory is swept of what a crash left
 
 
 class SGLangError(RuntimeError):
@@ -114,10 +126,20 @@ class SGLangBackend:
         self._sent = 0  # requests sent so far
         # rid of an attempt given up -> requests sent by then (None once swept; close() sweeps all)
         self._given_up: dict[str, int | None] = {}
+        self.window = self.concurrency  # requests the runner keeps in flight (stream.py)
+        # Every rid of this client starts with this; what a killed client left has another token.
+        self.rid_prefix = f"{dumps.RID_PREFIX}{uuid.uuid4().hex[:8]}-"
+        self._stale_at = 0.0
         if not os.path.isdir(dump_dir):
             raise SGLangError(f"dump directory {dump_dir} does not exist (the server's {hook.ENV_DIR})")
-        self.wait_healthy()
-        self.check_key()
+        self._client_lock = None if keep_dumps else dumps.client_lock(dump_dir)
+        try:
+            self.wait_healthy()
+            self.check_key()
+        except BaseException:
+            self.close()
+            raise
+        self._sweep_stale(force=True)
 
     @classmethod
     def from_config(cls, cfg: Any, layer_ids: list[int]) -> SGLangBackend:
@@ -244,11 +266,13 @@ class SGLangBackend:
 
     # ---------------------------------------------------------------- one sample
 
-    def _one(self, sample: Sample) -> SampleStates:
+    def extract_one(self, sample: Sample) -> SampleStates:
+        """One sample: its request (asked again on a lost reply or a `.failed` piece, each with a
+        new rid) and its checked dump; SGLangError when it cannot be had."""
         ids = sample.input_ids.tolist()
         lost = failed = 0
         while True:
-            rid = f"hsx-{_rid_part(sample.sample_id)}-{uuid.uuid4().hex[:12]}"
+            rid = f"{self.rid_prefix}{_rid_part(sample.sample_id)}-{uuid.uuid4().hex[:12]}"
             try:
                 dump = self._attempt(ids, rid, sample.sample_id)
                 break
@@ -298,6 +322,7 @@ class SGLangBackend:
         if not self.keep_dumps:
             dumps.remove_request(self.dump_dir, rid)
         self._sweep(sent)
+        self._sweep_stale()
         return dump
 
     def _give_up(self, rid: str) -> None:
@@ -322,6 +347,23 @@ class SGLangBackend:
         for rid in due:
             dumps.remove_request(self.dump_dir, rid)
 
+    def _sweep_stale(self, force: bool = False) -> None:
+        """Remove what a crash left in the dump directory (dumps.stale_names: a killed client's
+        dumps, a killed server's temps): at start, at most every STALE_SWEEP_SECONDS after a dump
+        was read, and at close. Only the client holding the directory's lock does."""
+        if self._client_lock is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if not force and now - self._stale_at < STALE_SWEEP_SECONDS:
+                return
+            self._stale_at = now
+        for name in dumps.stale_names(self.dump_dir, self.rid_prefix):
+            try:
+                os.unlink(os.path.join(self.dump_dir, name))
+            except FileNotFoundError:
+                pass
+
     # ---------------------------------------------------------------- Backend
 
     def model_info(self) -> ModelInfo:
@@ -341,7 +383,7 @@ class SGLangBackend:
 
     def extract(self, samples: list[Sample]) -> list[SampleStates]:
         """All samples concurrently; the first failure is raised after every request finished."""
-        futures = [self._pool.submit(self._one, s) for s in samples]
+        futures = [self._pool.submit(self.extract_one, s) for s in samples]
         results, first_error = [], None
         for f in futures:
             try:
@@ -355,3 +397,7 @@ class SGLangBackend:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._sweep()
+        self._sweep_stale(force=True)
+        if self._client_lock is not None:
+            os.close(self._client_lock)
+            self._client_lock = None

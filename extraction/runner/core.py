@@ -34,13 +34,15 @@ from extraction.runner.forward import (
     make_backend,
 )
 from extraction.runner.lifecycle import Lifecycle, RunError
+from extraction.runner.metrics import MetricsReporter, run_info
 from extraction.runner.plan import node_samples, plan_windows
 from extraction.runner.produce import Producer, tokenize_ahead_batches
 from extraction.runner.publish import default_writer_threads, make_publisher
 from extraction.runner.resume import ITEMSIZE, load_inputs, open_output, verified_done
+from extraction.runner.stream import Stream, streams
 from extraction.runner.timing import minor_faults, new_timings, record_usage, thread_usage
 from hsx.exitcodes import EXIT_FAILED
-from hsx.status import ERRORS_NAME, StatusReporter, StatusThread
+from hsx.status import ERRORS_NAME, StatusThread
 
 
 class Runner:
@@ -64,7 +66,7 @@ class Runner:
         self.timings = new_timings()
         self.life = Lifecycle(cfg, self.log, self.timings)
         self.forward_done = self.life.forward_done  # no batch will be put to the publisher any more
-        self.writer_threads = writer_threads or default_writer_threads()
+        self.writer_threads = writer_threads or default_writer_threads(cfg.backend)
         self.tokenizer_process = tokenizer_process
         self.output_lock = OutputLock(cfg.output)
         self.batch_q: queue.Queue = queue.Queue(
@@ -97,7 +99,16 @@ class Runner:
         )
         self.guard = life.guard = DiskGuard(cfg.output, cfg.reserve_bytes, estimate)
         self.batch_publisher = BatchPublisher(self.writer, self.guard, self.itemsize)
-        reporter = StatusReporter(cfg.output, len(self.assigned), len(self.done), self.guard.reserve)
+        reporter = MetricsReporter(
+            cfg.output,
+            len(self.assigned),
+            len(self.done),
+            self.guard.reserve,
+            info=run_info(cfg, self.manifest),
+            shard_estimate=lambda: self.guard.largest,
+            textfile_dir=cfg.metrics_textfile_dir,
+            log=self.log,
+        )
         self.reporter = life.reporter = reporter
         reporter.row_errors = len(self.scan.errors)
         reporter.extra = {
@@ -106,6 +117,7 @@ class Runner:
             "shard_index": cfg.shard_index,
             "num_shards": cfg.num_shards,
             "resume_seconds": round(self.resume_seconds, 3),
+            "resume_bad_shards": bad,
         }
         for err in self.scan.errors:
             life.error(err.to_record())
@@ -167,6 +179,7 @@ class Runner:
                 self.backend = self.backend_factory(cfg, self.layer_ids)
             except Exception as e:
                 reporter.set_state("failed", f"cannot start the {cfg.backend} backend: {e}")
+                reporter.write()  # status.json and the metrics say failed, not starting
                 self.log(f"cannot start the {cfg.backend} backend: {e}")
                 return EXIT_FAILED
             self.publisher.attach(self.backend)
@@ -217,6 +230,9 @@ class Runner:
         last_bar = 0.0
         usage = thread_usage()
         try:
+            if streams(forward.backend):  # sglang: a window of requests in flight, no batch barrier
+                tick = life.bar_postfix if life.bar is not None else lambda: None
+                return Stream(forward, self.writer_threads).run(batch_q, tick)
             while not stop.is_set():
                 t0 = time.perf_counter()
                 work = batch_q.get()

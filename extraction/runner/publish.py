@@ -6,13 +6,14 @@ Contract:
   (ThreadPublisher, below), or `auto`: process for the in-process hf backend, thread for the
   sglang backend (whose forward runs in the server). Where no process can be had (no fork, no
   memory for its buffer, no pipe) it says so and falls back to threads: same shards.
-- ThreadPublisher: one writer thread takes each batch off a queue of QUEUE_BATCHES (the forward
-  waits when it is full), waits for its states to be on the host, and publishes it with the
+- ThreadPublisher: one writer thread takes each batch off a queue of QUEUE_BATCHES (sglang:
+  STREAM_QUEUE_WORKS; the forward waits when it is full), waits for its states to be on the host, and publishes it with the
   BatchPublisher, `writer_threads` shards at once (the order of index lines is the only thing
   that changes); once the forward pass is over, with drain_threads(). A writer that fails
   stops the run and keeps emptying the queue, so the forward never blocks on it. It never
   touches the GPU.
-- `default_writer_threads`: the shards of a batch written at once: 1 on <= 4 usable cores, else 2.
+- `default_writer_threads`: the shards of a batch written at once: 1 on <= 4 usable cores, else 2
+  (sglang: 2).
 """
 
 from __future__ import annotations
@@ -26,12 +27,17 @@ from extraction.config import ExtractConfig
 from extraction.publisher import BatchPublisher, Publisher, Work, drain_threads, wait_ready
 from extraction.runner.lifecycle import Lifecycle
 from extraction.runner.plan import QUEUE_BATCHES
+from extraction.runner.stream import STREAM_QUEUE_WORKS
 from hsx import cores
 from hsx.manifest import RunManifest
 
 
-def default_writer_threads() -> int:
-    """More writer threads hold the GIL more, which slows a forward pass in this process."""
+def default_writer_threads(backend: str = "hf") -> int:
+    """More writer threads hold the GIL more, which slows a forward pass in this process. The
+    sglang backend's forward runs in the server: 2, whatever the cores (one shard's fsync then
+    overlaps the next one's write: stream.py hands them over in twos when they wait)."""
+    if backend == "sglang":
+        return 2
     return 1 if cores.usable_cores() <= 4 else 2
 
 
@@ -62,7 +68,9 @@ def make_publisher(
                 return ProcessPublisher(cfg, manifest, max_positions, batch_publisher, ledger, writer_threads)
             except OSError as e:  # no memory for the buffer, no process or pipe left: threads will do
                 ledger.log(f"cannot start the writer process ({e}): shards published by threads")
-    return ThreadPublisher(batch_publisher, ledger, writer_threads)
+    # sglang: the stream's window is the buffer; a short queue bounds the dumps held (stream.py)
+    works = STREAM_QUEUE_WORKS if cfg.backend == "sglang" else QUEUE_BATCHES
+    return ThreadPublisher(batch_publisher, ledger, writer_threads, works)
 
 
 class ThreadPublisher:
@@ -72,11 +80,13 @@ class ThreadPublisher:
     put_key = "forward_wait_writer_s"
     host_empty = None  # published from the backend's own host memory
 
-    def __init__(self, batch_publisher: BatchPublisher, ledger: Lifecycle, writer_threads: int):
+    def __init__(
+        self, batch_publisher: BatchPublisher, ledger: Lifecycle, writer_threads: int, queue_works: int = QUEUE_BATCHES
+    ):
         self.batch_publisher = batch_publisher
         self.ledger = ledger
         self.writer_threads = writer_threads
-        self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_works)
         self._thread: threading.Thread | None = None
 
     def attach(self, backend: Any) -> None:

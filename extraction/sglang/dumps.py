@@ -156,6 +156,64 @@ def remove_request(directory: str, rid: str) -> int:
     return n
 
 
+# ---------------------------------------------------------------- what a crash leaves
+
+RID_PREFIX = "hsx-"  # every rid our client sends starts with it: "hsx-<client token>-<sample>-<attempt>"
+_TEMP = re.compile(r"\.(.+)\.(\d+)\.tmp")  # the hook's temp: .<dump or marker name>.<server pid>.tmp
+
+
+def client_lock(directory: str) -> int | None:
+    """Take the dump directory's client lock (flock on the directory itself: no file; released
+    when the process dies, kill -9 included): its fd, or None when another live client holds it.
+    Only the holder may remove files of other clients' requests (stale_names)."""
+    import fcntl
+
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    return True
+
+
+def stale_names(directory: str, own_prefix: str) -> list[str]:
+    """Files in `directory` that no live request will read, for the one client holding the lock:
+    - dumps and `.failed` markers of requests our client sent (rid starting with RID_PREFIX) but
+      not this client instance (`own_prefix`): a client killed before reading them (its late
+      pieces land after it died, and are found by the next call);
+    - the hook's temps (`.<name>.<pid>.tmp`) of one of our requests whose server process is gone
+      (a server killed mid-write). A live server's temps are left alone: it renames them.
+    Files of other users of the server (rids without RID_PREFIX) are never touched."""
+    found = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        temp = _TEMP.fullmatch(name)
+        if temp is not None:
+            if temp.group(1).startswith(RID_PREFIX) and not _alive(int(temp.group(2))):
+                found.append(name)
+        elif name.startswith(RID_PREFIX) and not name.startswith(own_prefix):
+            if name.endswith((".pt", FAILED_SUFFIX)):
+                found.append(name)
+    return sorted(found)
+
+
 # ---------------------------------------------------------------- waiting for a dump
 
 _IN_MOVED_TO = 0x00000080

@@ -112,8 +112,8 @@ def parse_budget(text: str) -> int:
         mb = float(text)
     except ValueError:
         raise ValueError(f"{ENV_BUDGET}={text!r} is not a number of MiB") from None
-    if not mb > 0:
-        raise ValueError(f"{ENV_BUDGET}={text!r} must be > 0")
+    if not 0 < mb < float("inf"):  # refuses nan and inf too (int() of those would raise unexplained)
+        raise ValueError(f"{ENV_BUDGET}={text!r} must be a finite number > 0")
     return max(1, int(mb * 2**20))
 
 

@@ -33,9 +33,17 @@ open like /health.)
 
 What it does not model: GPU numerics, CUDA graphs, tensor parallelism, the radix cache, decode.
 
+With --null-model HIDDEN (the benchmarks: tests/bench/bench_sglang_path.py --client) there is no
+model at all: a pass's states are views of one block of random bf16 rows, HIDDEN wide, the aux
+states handed over packed (as 0.5.17+'s AuxHiddenStatePacker does), --num-layers layers for the
+hook's default capture; --forward-us sleeps that long a token before the hook (the GPU's time).
+GET /hsx_stats (TEST-ONLY) says how long the scheduler sat idle with no request to run, between the
+first request's arrival and the last one's end.
+
     python tests/standin_sglang/server.py --model-path DIR --port 30000 [--chunked-prefill-size 64]
         [--sglang-package /opt/sglang/venv/lib/python3.11/site-packages/sglang]
         [--api-key K | --config FILE.yaml (holding api-key: K)]
+        [--null-model 7168 --num-layers 61 --forward-us 0]
 (unknown SGLang flags are accepted and ignored, so a unit file can keep its real command line).
 """
 
@@ -131,6 +139,7 @@ class StandInServer:
     def __init__(
         self, model_path: str, host: str = "127.0.0.1", port: int = 0, chunk: int = 64, dtype: str = "bf16",
         sglang_package: str | None = None, min_request_seconds: float = 0.0, api_key: str | None = None,
+        device: str = "cpu", null_hidden: int = 0, num_layers: int = 61, forward_us: float = 0.0,
     ):
         from extraction.backends.hf import HFBackend
 
@@ -143,7 +152,13 @@ class StandInServer:
         self.min_request_seconds = max(0.0, float(min_request_seconds))
 
         self.chunk = max(1, int(chunk))
-        self.hf = HFBackend(model_path, layer_ids=[], dtype="bf16" if dtype == "auto" else dtype)
+        self.null_hidden, self.forward_us = max(0, int(null_hidden)), max(0.0, float(forward_us))
+        self._null_rows: torch.Tensor | None = None
+        self.stats = {"idle_s": 0.0, "first_arrival": None, "last_done": None, "passes": 0, "hook_s": 0.0, "tokens": 0}
+        if self.null_hidden:  # no model: HFBackend stays out (see _null_states)
+            self.hf = SimpleNamespace(num_layers=int(num_layers), device=torch.device("cpu"))
+        else:
+            self.hf = HFBackend(model_path, layer_ids=[], dtype="bf16" if dtype == "auto" else dtype, device=device)
         # The two attributes of DeepseekV2Model the hook touches; attach() reads HSX_DUMP_* from
         # the environment, as in the real server.
         self.model = SimpleNamespace(
@@ -159,6 +174,8 @@ class StandInServer:
             self.model._hsx_dump = hook.attach(self.model)
             if self.model._hsx_dump is not None:
                 self.model._hsx_dump.version = "standin"
+        if self.null_hidden:  # the random rows now, not in the first pass (seconds at K2.5 width)
+            self._null_states(self.chunk)
         self.queue: queue.Queue[_Request | None] = queue.Queue()
         self.ready = threading.Event()
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
@@ -170,20 +187,51 @@ class StandInServer:
 
     def _states(self, req: _Request) -> None:
         """One unpadded forward of the whole prompt; the passes below cut pieces out of it."""
+        if self.null_hidden:
+            req.output_id = int(req.input_ids[-1])
+            return
         layers = list(self.model.layers_to_capture)
         self.hf.set_layers(layers or [0])
-        (out,) = self.hf.extract([Sample("x", req.input_ids, torch.ones_like(req.input_ids))])
-        h = out.hidden_state.shape[-1]
-        per_layer = list(out.aux_hidden_state.split(h, dim=-1)) if layers else []
-        req.states = (out.hidden_state, per_layer)
+        sample = Sample("x", req.input_ids, torch.ones_like(req.input_ids))
+        if self.hf.device.type == "cuda":  # the states stay on the GPU, as in the server: the hook copies
+            final, aux, _lengths = self.hf.forward_states([sample])
+            hidden, packed = final[0], aux[0]
+        else:
+            (out,) = self.hf.extract([sample])
+            hidden, packed = out.hidden_state, out.aux_hidden_state
+        per_layer = list(packed.split(hidden.shape[-1], dim=-1)) if layers else []
+        req.states = (hidden, per_layer)
         req.output_id = int(req.input_ids[-1])  # a token id stands in for the greedy sample
+
+    def _null_states(self, tokens: int) -> tuple[torch.Tensor, SimpleNamespace]:
+        """--null-model: a pass's final state [tokens, H] and its packed aux states [tokens, k*H], views
+        of one block of random rows (grown when a pass needs more), as the packer hands them over."""
+        k, h = len(self.model.layers_to_capture), self.null_hidden
+        rows = self._null_rows
+        if rows is None or rows.shape[0] < tokens or rows.shape[1] != (k + 1) * h:
+            gen = torch.Generator().manual_seed(0)
+            rows = torch.randn(max(tokens, self.chunk), (k + 1) * h, generator=gen).to(torch.bfloat16)
+            self._null_rows = rows
+        packed = rows[:tokens, h:]
+        return rows[:tokens, :h], SimpleNamespace(finalize=lambda: packed)
 
     def _forward(self, pieces: list[tuple[_Request, int, int]]) -> None:
         """One prefill pass, as DeepseekV2Model.forward ends it: final state + aux list -> hook."""
+        self.stats["passes"] += 1
+        if self.null_hidden:
+            tokens = sum(e - s for _, s, e in pieces)
+            if self.forward_us:
+                time.sleep(self.forward_us * 1e-6 * tokens)
+            final, aux = self._null_states(tokens)
+            return self._to_hook(pieces, final, aux)
         final = torch.cat([r.states[0][s:e] for r, s, e in pieces])
         aux = [
             torch.cat([r.states[1][k][s:e] for r, s, e in pieces]) for k in range(len(pieces[0][0].states[1]))
         ]
+        self._to_hook(pieces, final, aux)
+
+    def _to_hook(self, pieces: list[tuple[_Request, int, int]], final: torch.Tensor, aux: object) -> None:
+        """The patched line at the end of DeepseekV2Model.forward: the pass's batch and states to the hook."""
         batch = SimpleNamespace(
             forward_mode=ForwardMode(),
             rids=[r.rid for r, _, _ in pieces],
@@ -191,11 +239,14 @@ class StandInServer:
             extend_prefix_lens_cpu=[s for _, s, _ in pieces],
             input_ids=torch.cat([r.input_ids[s:e] for r, s, e in pieces]),
         )
+        t0 = time.perf_counter()
         if "forward" in self.patch_blocks:
             scope = {"self": self.model, "forward_batch": batch, "hidden_states": final, "aux_hidden_states": aux}
             exec(self.patch_blocks["forward"], {"__builtins__": __builtins__}, scope)
         elif not self.patch_blocks and getattr(self.model, "_hsx_dump", None) is not None:
             self.model._hsx_dump.after_forward(batch, final, aux)
+        self.stats["hook_s"] += time.perf_counter() - t0  # the forward's critical path
+        self.stats["tokens"] += int(batch.input_ids.shape[0])
 
     def _scheduler(self) -> None:
         active: list[_Request] = []
@@ -203,7 +254,11 @@ class StandInServer:
             block = not active
             try:
                 while True:
+                    t0 = time.monotonic()
                     item = self.queue.get(block=block, timeout=None)
+                    first = self.stats["first_arrival"]
+                    if block and first is not None:  # idle: nothing to run (since the first request)
+                        self.stats["idle_s"] += time.monotonic() - max(t0, first)
                     if item is None:
                         return
                     try:
@@ -228,6 +283,7 @@ class StandInServer:
             for req, _s, e in pieces:
                 req.next_pos = e
                 if e == len(req.input_ids):
+                    self.stats["last_done"] = time.monotonic()
                     req.done.set()
             active = [r for r in active if not r.done.is_set()]
 
@@ -254,7 +310,7 @@ class StandInServer:
                 """SGLang's decide_request_auth for a NORMAL endpoint; a 401 is sent when not."""
                 if not server.api_key or self.command == "OPTIONS":
                     return True
-                if self.path.startswith(("/health", "/ready", "/metrics", "/hsx_patch")):
+                if self.path.startswith(("/health", "/ready", "/metrics", "/hsx_patch", "/hsx_stats")):
                     return True
                 scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
                 if scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), server.api_key.encode()):
@@ -269,6 +325,8 @@ class StandInServer:
                     return self._reply(200, {"model_path": server.model_path, "is_generation": True})
                 if self.path == "/hsx_patch":  # TEST-ONLY: the patch version this server loaded
                     return self._reply(200, server.patch_info)
+                if self.path == "/hsx_stats":  # TEST-ONLY: the scheduler's idle time (benchmarks)
+                    return self._reply(200, dict(server.stats))
                 if self.path == "/health":
                     return self._reply(
                         200 if server.ready.is_set() else 503, "OK" if server.ready.is_set() else ""
@@ -290,6 +348,8 @@ class StandInServer:
                     return self._reply(400, {"error": f"bad request: {exc}"})
                 req = _Request(rid, ids)
                 started = time.monotonic()
+                if server.stats["first_arrival"] is None:
+                    server.stats["first_arrival"] = started
                 server.queue.put(req)
                 req.done.wait()
                 time.sleep(max(0.0, server.min_request_seconds - (time.monotonic() - started)))
@@ -362,10 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-request-seconds", type=float, default=0.0,
                         help="answer no /generate sooner than this (stands in for the GPU's time; frees the CPUs)")
     parser.add_argument("--api-key", help="demand this key as SGLang does (Authorization: Bearer)")
+    parser.add_argument("--null-model", type=int, default=0, metavar="HIDDEN",
+                        help="no model: random states this wide (benchmarks); --num-layers, --forward-us apply")
+    parser.add_argument("--num-layers", type=int, default=61, help="--null-model: the model's layers")
+    parser.add_argument("--forward-us", type=float, default=0.0, help="--null-model: a pass's time, us a token")
+    parser.add_argument("--device", default="cpu", help="where the model runs (cuda: the states reach the hook on the GPU)")
     args, _ignored = parser.parse_known_args(merge_config_file(sys.argv[1:] if argv is None else argv))
     server = StandInServer(
         args.model_path, args.host, args.port, args.chunked_prefill_size, args.dtype, args.sglang_package,
-        args.min_request_seconds, args.api_key,
+        args.min_request_seconds, args.api_key, args.device, args.null_model, args.num_layers, args.forward_us,
     ).start()
     print(
         f"stand-in SGLang server on {server.url} (dumps: {os.environ.get(hook.ENV_DIR) or 'off'}; "

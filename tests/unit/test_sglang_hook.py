@@ -879,3 +879,14 @@ def test_wait_request_works_with_a_descriptor_above_1023(tmp_path):
 def _touch(path):
     path.write_bytes(b"")
     return path
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "-inf", "1e400", "many"])
+def test_budget_refuses_what_is_not_a_finite_positive_number(text):
+    with pytest.raises(ValueError, match=hook.ENV_BUDGET):
+        hook.parse_budget(text)
+
+
+def test_budget_is_mib():
+    assert hook.parse_budget("512") == 512 * 2**20
+    assert hook.parse_budget("0.5") == 2**19
