@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,3 +81,14 @@ def lab_fetch(host: str, remote_dir: str, local: Path, *members: str) -> None:
     local.mkdir(parents=True, exist_ok=True)
     tar = subprocess.run([*ssh, f"tar -C {remote_dir} -cf - {' '.join(members)}"], capture_output=True, check=True)
     subprocess.run(["tar", "-C", str(local), "-xf", "-"], input=tar.stdout, check=True)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    """predicate()'s first truthy value, asked once a second; AssertionError naming `what` after timeout s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -110,20 +110,24 @@ def deepseek_v3_config(args):
     return config
 
 
-def build_model(args, device: str):
-    from transformers import DeepseekV3Model
-
-    config = deepseek_v3_config(args)
+def random_model(cls, config, device: str):
+    """cls(config) with seeded random bf16 weights, built on `device` (no host round trip)."""
     torch.manual_seed(0)
-    t0 = time.perf_counter()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = DeepseekV3Model(config)
+            return cls(config)
     finally:
         torch.set_default_dtype(previous)
-    model.eval()
+
+
+def build_model(args, device: str):
+    from transformers import DeepseekV3Model
+
+    config = deepseek_v3_config(args)
+    t0 = time.perf_counter()
+    model = random_model(DeepseekV3Model, config, device).eval()
     params = sum(p.numel() for p in model.parameters())
     print(
         f"model: DeepseekV3Model {args.layers} layers, hidden {args.hidden}, {args.experts} routed experts "

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO / "module_utils"))
 from extraction.tiny import build_tokenizer, write_tiny_dataset  # noqa: E402
 from hsx.index import load_index  # noqa: E402
 from hsx.layout import KEY_AUX, KEY_HIDDEN, KEY_INPUT_IDS  # noqa: E402
-from tests.bench.bench_hook_forward import deepseek_v3_config  # noqa: E402
+from tests.bench.bench_hook_forward import deepseek_v3_config, random_model  # noqa: E402
 
 
 def write_model(out: Path, layers: int, experts: int, device: str) -> None:
@@ -59,14 +59,7 @@ def write_model(out: Path, layers: int, experts: int, device: str) -> None:
     config.vocab_size = 1024  # the tiny tokenizer's
     config.bos_token_id, config.eos_token_id, config.pad_token_id = 0, 1, 2
     config.architectures = ["DeepseekV3ForCausalLM"]
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = DeepseekV3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
+    model = random_model(DeepseekV3ForCausalLM, config, device)
     with _quiet_transformers():
         model.save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").unlink(missing_ok=True)

@@ -9,7 +9,7 @@ import json
 import time
 
 import pytest
-from labctl import host, lab, lab_ssh, playbook
+from labctl import host, lab, lab_ssh, playbook, wait_for
 
 from hsx.exitcodes import EXIT_PAUSED
 
@@ -44,16 +44,6 @@ def status(output: str = "/data/hsx/output") -> dict:
     out = lab_ssh(HOST, f"/opt/hsx/venv/bin/hsx status {output} --json").stdout
     outputs = json.loads(out).get("outputs") if out.strip().startswith("{") else None
     return outputs[0] if outputs else {}
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_deployed_without_network_and_idempotent(deployed):

@@ -11,12 +11,11 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 
 import pytest
-from labctl import REPO, _lab_module, host, lab, lab_ssh, playbook
+from labctl import REPO, _lab_module, host, lab, lab_ssh, playbook, wait_for
 
 HOST = host(1)
 # A 32-sample dataset: the run finishes within seconds, its values then still.
@@ -33,16 +32,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Prometheus:
