@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from extraction import config
 from hsx.exitcodes import EXIT_USAGE
+
+NO_OTHERS = 0o027  # umask bits always set: no group write, nothing for others
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,4 +35,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from extraction.runner import Runner
 
+    # The output reveals the dataset (input_ids): nothing in it readable by others, whatever umask
+    # the caller has (a manual run as root: 022). The unit sets UMask=0027 itself; this only adds.
+    os.umask(os.umask(NO_OTHERS) | NO_OTHERS)
     return Runner(cfg).run()

@@ -620,6 +620,28 @@ def test_cli_end_to_end(tmp_path, tiny_model_dir, capsys) -> None:
     assert "out of range for a 8-layer model" in capsys.readouterr().err
 
 
+def test_cli_output_is_never_world_readable(tmp_path, tiny_model_dir) -> None:
+    """input_ids reveal the dataset: a manual `hsx extract` under umask 022 (root's usual) writes
+    nothing others can read; the unit's own UMask=0027 gives the same (#30 item 11)."""
+    ds = write_tiny_dataset(tmp_path / "d.jsonl", 3, seed=3)
+    out = tmp_path / "out"
+    argv = ["extract", "--model", str(tiny_model_dir), "--dataset", str(ds), "--output", str(out),
+            "--layers", LAYERS, "--dtype", "fp32", "--max-length", "24", "--progress", "off"]
+    old = os.umask(0o022)
+    try:
+        assert main(argv) == 0
+    finally:
+        os.umask(old)
+    assert len(load_index(str(out))) == 3
+    assert out.stat().st_mode & 0o007 == 0, oct(out.stat().st_mode)
+    readable = [
+        str(p.relative_to(out))
+        for p in [out, *out.rglob("*")]
+        if p.stat().st_mode & 0o004 and p.name != "metrics.prom"  # 0644 for node_exporter, inside a 0750 OUTPUT
+    ]
+    assert not readable, readable
+
+
 def test_tokenizer_runs_in_a_child_process_same_bits_and_row_errors(
     tiny_model_dir, dataset, backend, tmp_path, ids, monkeypatch
 ) -> None:
