@@ -37,5 +37,10 @@ def run(args: argparse.Namespace) -> int:
 
     # The output reveals the dataset (input_ids): nothing in it readable by others, whatever umask
     # the caller has (a manual run as root: 022). The unit sets UMask=0027 itself; this only adds.
-    os.umask(os.umask(NO_OTHERS) | NO_OTHERS)
-    return Runner(cfg).run()
+    # Put back afterwards: main() also runs in-process (tests, tools).
+    old = os.umask(NO_OTHERS)
+    os.umask(old | NO_OTHERS)
+    try:
+        return Runner(cfg).run()
+    finally:
+        os.umask(old)

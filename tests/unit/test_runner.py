@@ -630,8 +630,10 @@ def test_cli_output_is_never_world_readable(tmp_path, tiny_model_dir) -> None:
     old = os.umask(0o022)
     try:
         assert main(argv) == 0
+        after = os.umask(0o022)
     finally:
         os.umask(old)
+    assert after == 0o022, f"main() left the process's umask at {after:o}"  # it also runs in-process
     assert len(load_index(str(out))) == 3
     assert out.stat().st_mode & 0o007 == 0, oct(out.stat().st_mode)
     readable = [
