@@ -18,16 +18,20 @@ import ctypes
 import errno
 import functools
 import glob
+import json
 import os
 import re
 import select
+import stat
 import struct
 import time
 from dataclasses import dataclass
 
 import torch
 
-from extraction.sglang.hook import FAILED_SUFFIX, FORMAT, rid_stem
+from extraction.mapped_file import MappedFile
+from extraction.sglang import hook
+from extraction.sglang.hook import FAILED_SUFFIX, rid_stem
 
 _KEYS = ("input_ids", "hidden_state", "aux_hidden_state")
 
@@ -67,13 +71,34 @@ def failed_paths(directory: str, rid: str) -> list[str]:
     return sorted(p for p in found if names.fullmatch(os.path.basename(p)))
 
 
+_MAX_HEADER = 1 << 16  # a dump's JSON header is ~400 bytes; anything past this is not ours
+_DTYPES = {name: getattr(torch, name) for name in hook.DUMP_DTYPES}
+
+
 def _load(path: str, rid: str) -> dict:
+    """One piece, checked: a dict with the header's fields and the three tensors, each `n` rows.
+    Format 2 is mapped (extraction/mapped_file.py: its tensors are views of the file, which the
+    shard writer copies out with sendfile); format 1 (a hook deployed before 2026-12-05, in a
+    server not restarted since) is read with torch.load."""
     try:
-        record = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: no wait
+    except OSError as exc:
         raise DumpError(f"{path}: unreadable dump: {exc}") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise DumpError(f"{path}: not a {FORMAT} dump")
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise DumpError(f"{path}: not a regular file")
+        head = os.pread(fd, hook.DUMP_HEAD.size, 0)
+    except (OSError, DumpError) as exc:
+        os.close(fd)
+        if isinstance(exc, DumpError):
+            raise
+        raise DumpError(f"{path}: unreadable dump: {exc}") from None
+    if head[:4] == b"PK\x03\x04":
+        os.close(fd)
+        record = _load_v1(path)
+    else:
+        record = _load_v2(path, fd, head, info.st_size)  # takes the fd
     if record.get("rid") != rid:
         raise DumpError(f"{path}: holds request {record.get('rid')!r}, expected {rid!r}")
     n = int(record["input_ids"].shape[0])
@@ -82,6 +107,98 @@ def _load(path: str, rid: str) -> dict:
         if not isinstance(t, torch.Tensor) or int(t.shape[0]) != n:
             raise DumpError(f"{path}: {key} missing or not {n} rows")
     return record
+
+
+def _load_v1(path: str) -> dict:
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise DumpError(f"{path}: unreadable dump: {exc}") from None
+    if not isinstance(record, dict) or record.get("format") != hook.FORMAT_V1:
+        raise DumpError(f"{path}: not a {hook.FORMAT} dump")
+    return record
+
+
+def _load_v2(path: str, fd: int, head: bytes, size: int) -> dict:
+    """A format 2 dump's header, checked against the file, and its tensors mapped. Owns `fd`."""
+    try:
+        if len(head) != hook.DUMP_HEAD.size or head[:8] != hook.DUMP_MAGIC:
+            raise DumpError(f"{path}: not a {hook.FORMAT} dump (its first bytes are {head[:8]!r})")
+        _magic, length = hook.DUMP_HEAD.unpack(head)
+        if length > _MAX_HEADER or hook.DUMP_HEAD.size + length > size:
+            raise DumpError(f"{path}: header of {length} bytes in a file of {size}")
+        try:
+            meta = json.loads(os.pread(fd, length, hook.DUMP_HEAD.size))
+        except (OSError, ValueError) as exc:
+            raise DumpError(f"{path}: unreadable header: {exc}") from None
+        tensors = _tensor_specs(path, meta, hook.DUMP_HEAD.size + length, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        mapped = MappedFile(fd)  # owns fd from here, even when it raises
+    except OSError as exc:
+        raise DumpError(f"{path}: cannot map: {exc}") from None
+    record = {key: meta[key] for key in _FIELDS}
+    for name, (dtype, shape, at) in tensors.items():
+        record[name] = mapped.tensor(dtype, shape, at)
+    return record
+
+
+_FIELDS = {
+    "format": str,
+    "rid": str,
+    "offset": int,
+    "seq_len": int,
+    "layer_ids": list,
+    "capture_owner": str,
+    "sglang_version": str,
+}
+
+
+def _tensor_specs(path: str, meta: object, start: int, size: int) -> dict:
+    """{name: (dtype, shape, at)} from a format 2 header, every field checked: the tensors lie in
+    order after the header, each at the first DUMP_ALIGN boundary after what precedes it (as
+    write_dump lays them out), the file ending with the last; the two states of one dtype. A
+    header that lies about a size is caught by the file's end (the aux state is last) or by the
+    widths and ids the reader checks next."""
+    if not isinstance(meta, dict):
+        raise DumpError(f"{path}: the header is not an object")
+    for key, kind in _FIELDS.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise DumpError(f"{path}: header field {key!r} missing or not {kind.__name__}")
+    if meta["format"] != hook.FORMAT:
+        raise DumpError(f"{path}: format {meta['format']!r}, expected {hook.FORMAT}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in meta["layer_ids"]):
+        raise DumpError(f"{path}: layer_ids {meta['layer_ids']!r} are not all integers")
+    entries = meta.get("tensors")
+    if not isinstance(entries, dict) or sorted(entries) != sorted(hook.DUMP_TENSORS):
+        raise DumpError(f"{path}: header tensors must be exactly {list(hook.DUMP_TENSORS)}")
+    specs, pos = {}, start
+    for name, rank in zip(hook.DUMP_TENSORS, (1, 2, 2), strict=True):
+        e = entries[name]
+        dtype = _DTYPES.get(e.get("dtype")) if isinstance(e, dict) else None
+        shape, at = (e.get("shape"), e.get("at")) if isinstance(e, dict) else (None, None)
+        if (
+            dtype is None
+            or not isinstance(shape, list)
+            or len(shape) != rank
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)
+            or not isinstance(at, int)
+            or isinstance(at, bool)
+            or at != -(-pos // hook.DUMP_ALIGN) * hook.DUMP_ALIGN  # where the writer puts it
+        ):
+            raise DumpError(f"{path}: header entry for {name} is invalid: {e!r}")
+        nbytes = torch.empty((), dtype=dtype).element_size()
+        for d in shape:
+            nbytes *= d
+        pos = at + nbytes
+        specs[name] = (dtype, shape, at)
+    if pos != size:
+        raise DumpError(f"{path}: the tensors end at byte {pos}, the file at {size} (truncated or padded)")
+    if specs["hidden_state"][0] != specs["aux_hidden_state"][0]:
+        raise DumpError(f"{path}: hidden_state and aux_hidden_state differ in dtype")
+    return specs
 
 
 def read_request(directory: str, rid: str, expected_len: int | None = None) -> RequestDump:

@@ -10,9 +10,10 @@ docs/sglang_hook.md in the hsx repository. The contracts:
   when the hook owns capture, SGLang's own when EAGLE-3/DFlash set the list) and hands each prefill
   pass (EXTEND/MIXED, attention-TP rank 0) to one writer thread. It waits only while the dumps in
   flight fill HSX_DUMP_BUDGET_MB (back-pressure: a dump is never dropped, never partial).
-- To the client: per request and prefill piece, `<rid>.<offset>.pt` (format hsx-sglang-dump/1),
-  visible only complete (temp name + rename), or a `<rid>.<offset>.failed` marker holding why it
-  was not written. When a request's reply leaves, its pieces have been taken, not yet written: the
+- To the client: per request and prefill piece, `<rid>.<offset>.pt` (format hsx-sglang-dump/2: a
+  JSON header, then each tensor's raw bytes at a page boundary; `write_dump` below), visible only
+  complete (temp name + rename), or a `<rid>.<offset>.failed` marker holding why it was not
+  written. When a request's reply leaves, its pieces have been taken, not yet written: the
   client waits for the renames (extraction.sglang.dumps.wait_request).
 - It never raises into SGLang: anything unexpected is logged once per kind and the pass skipped.
   The standard library only at module level, torch imported lazily.
@@ -31,14 +32,24 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import functools
+import json
 import logging
 import os
 import re
+import struct
 import threading
 import time
 from typing import Any
 
-FORMAT = "hsx-sglang-dump/1"
+FORMAT = "hsx-sglang-dump/2"
+FORMAT_V1 = "hsx-sglang-dump/1"  # a torch.save'd dict: what a hook deployed before 2026-12-05 writes
+# The file's layout (write_dump; the client's reader is extraction/sglang/dumps.py):
+DUMP_MAGIC = b"HSXDUMP2"
+DUMP_HEAD = struct.Struct("<8sQ")  # magic, then the JSON header's length in bytes
+DUMP_ALIGN = 4096  # every tensor's bytes start at a multiple of it (page-aligned when mapped)
+DUMP_TENSORS = ("input_ids", "hidden_state", "aux_hidden_state")  # in the file in this order
+DUMP_DTYPES = ("int64", "int32", "bfloat16", "float16", "float32")  # the reader accepts these only
 ENV_DIR = "HSX_DUMP_DIR"
 ENV_LAYERS = "HSX_DUMP_LAYERS"
 ENV_BUDGET = "HSX_DUMP_BUDGET_MB"
@@ -491,28 +502,33 @@ class DumpHook:
             try:
                 record = self._record(piece, job)
                 self._write(dump_name(piece.rid, piece.offset), record)
-                self.writer.bytes_written += sum(
-                    _nbytes(record[k]) for k in ("input_ids", "hidden_state", "aux_hidden_state")
-                )
+                self.writer.bytes_written += sum(_nbytes(t) for t in _tensors_of(record))
             except Exception as exc:
                 self._failed(piece, exc)
 
     def _record(self, piece: _Piece, job: _Pass) -> dict[str, Any]:
-        import torch
-
-        aux = _owned_cpu(piece.aux[0]) if len(piece.aux) == 1 else torch.cat(piece.aux, dim=-1)
+        """The piece's header fields, and its tensors under `input_ids` (int64), `hidden_state`
+        and `aux_parts` (written interleaved row by row: no concatenated copy is made)."""
         return {
             "format": FORMAT,
             "rid": piece.rid,
             "offset": piece.offset,
             "seq_len": piece.offset + int(piece.ids.shape[0]),
-            "input_ids": _owned_cpu(piece.ids.long()),
-            "hidden_state": _owned_cpu(piece.hidden),
-            "aux_hidden_state": aux,
             "layer_ids": job.layer_ids,
             "capture_owner": job.owner,
             "sglang_version": job.version,
+            "input_ids": piece.ids.long(),
+            "hidden_state": piece.hidden,
+            "aux_parts": list(piece.aux),
         }
+
+    def _save(self, record: dict[str, Any], path: str) -> None:
+        header = {k: v for k, v in record.items() if k not in ("input_ids", "hidden_state", "aux_parts")}
+        write_dump(path, header, (record["input_ids"], record["hidden_state"], record["aux_parts"]))
+
+    def _write(self, name: str, record: dict[str, Any]) -> None:
+        self._place(name, functools.partial(self._save, record))
+        self.dumped += 1
 
     def _failed(self, piece: _Piece, exc: BaseException) -> None:
         """Log a piece not written; leave its marker (the reason) where the directory takes it."""
@@ -530,15 +546,6 @@ class DumpHook:
         except OSError:
             pass  # no marker either: the client times out and asks again
 
-    def _save(self, record: dict[str, Any], path: str) -> None:
-        import torch
-
-        torch.save(record, path)
-
-    def _write(self, name: str, record: dict[str, Any]) -> None:
-        self._place(name, lambda tmp: self._save(record, tmp))
-        self.dumped += 1
-
     def _place(self, name: str, save: Any) -> None:
         """save(a temp name), then rename it to `name`: the file appears whole or not at all."""
         tmp = os.path.join(self.directory, f".{name}.{os.getpid()}.tmp")
@@ -553,6 +560,10 @@ class DumpHook:
             raise
 
 
+def _tensors_of(record: dict[str, Any]) -> list[Any]:
+    return [record["input_ids"], record["hidden_state"], *record["aux_parts"]]
+
+
 def _shares_storage(a: Any, b: Any) -> bool:
     try:
         return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -560,17 +571,88 @@ def _shares_storage(a: Any, b: Any) -> bool:
         return False
 
 
-def _owned_cpu(t: Any) -> Any:
-    """A CPU tensor (`t` is one) whose storage is exactly its bytes (torch.save writes a view's whole
-    storage): the tensor itself, an alias of a contiguous view's bytes (no copy; the caller keeps
-    the viewed tensor alive until it is written), or a copy."""
-    import torch
+def _row_views(t: Any) -> memoryview:
+    """The bytes of a CPU tensor's rows, without a copy where it is contiguous (the caller keeps
+    `t`, or the copy it is given back through the view's owner, alive while the view is used)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    n = _nbytes(t)
+    if n == 0:
+        return memoryview(b"")
+    buf = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    buf._hsx_keep = t  # type: ignore[attr-defined]  # the bytes' owner lives as long as the view
+    return memoryview(buf).cast("B")
 
-    t = t.detach()
-    nbytes = _nbytes(t)
-    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes:
-        return t
-    if t.is_contiguous() and nbytes > 0:
-        view = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-        return torch.frombuffer(view, dtype=t.dtype, count=t.numel()).view(t.shape)
-    return t.clone(memory_format=torch.contiguous_format)
+
+def dump_layout(header: dict[str, Any], specs: dict[str, tuple[str, list[int], int]]) -> tuple[bytes, list[int]]:
+    """The head of a dump (magic, header length, JSON header, zero padding) and each tensor's
+    offset, for `specs` {name: (dtype name, shape, bytes)} in DUMP_TENSORS order. The header gains
+    `tensors`: {name: {"dtype", "shape", "at"}}; each `at` is a multiple of DUMP_ALIGN and the file
+    ends with the last tensor's bytes."""
+    at = DUMP_ALIGN  # where the first tensor starts: the head rounded up, found in a pass or two
+    while True:
+        entries, offsets, pos = {}, [], at
+        for name in DUMP_TENSORS:
+            dtype, shape, nbytes = specs[name]
+            entries[name] = {"dtype": dtype, "shape": shape, "at": pos}
+            offsets.append(pos)
+            pos += -(-nbytes // DUMP_ALIGN) * DUMP_ALIGN
+        text = json.dumps({**header, "tensors": entries}, separators=(",", ":")).encode()
+        need = -(-(DUMP_HEAD.size + len(text)) // DUMP_ALIGN) * DUMP_ALIGN
+        if need <= at:  # offsets only grow with `at`: this terminates
+            head = DUMP_HEAD.pack(DUMP_MAGIC, len(text)) + text
+            return head + bytes(at - len(head)), offsets
+        at = need
+
+
+def write_dump(path: str, header: dict[str, Any], tensors: tuple[Any, Any, list[Any]]) -> None:
+    """Write one dump file (format hsx-sglang-dump/2) at `path`, created exclusively and never
+    through a link: `tensors` = (input_ids, hidden_state, aux parts), CPU tensors of the same
+    rows; the aux parts are written interleaved row by row, as their concatenation on the last
+    dim would lie in memory, straight from where they are (writev; no copy in user space)."""
+    ids, hidden, parts = tensors
+    rows = int(ids.shape[0])
+    if any(p.dtype != parts[0].dtype or p.dim() != 2 or int(p.shape[0]) != rows for p in parts):
+        raise ValueError("the aux parts differ in dtype or rows")
+    whole = [_row_views(p) for p in parts]
+    chunks = [[_row_views(ids)], [_row_views(hidden)]]
+    if len(whole) == 1:
+        chunks.append(whole)
+    else:
+        sizes = [len(w) // rows for w in whole] if rows else [0] * len(whole)
+        chunks.append([w[r * n : (r + 1) * n] for r in range(rows) for w, n in zip(whole, sizes, strict=True)])
+    specs = {
+        name: (str(t.dtype).removeprefix("torch."), [int(d) for d in t.shape], sum(map(len, chunk)))
+        for name, t, chunk in zip(DUMP_TENSORS[:2], (ids, hidden), chunks, strict=False)
+    }
+    width = sum(int(p.shape[-1]) for p in parts)
+    specs[DUMP_TENSORS[2]] = (str(parts[0].dtype).removeprefix("torch."), [rows, width], sum(map(len, chunks[2])))
+    head, offsets = dump_layout(header, specs)
+    views, pos = [memoryview(head)], len(head)
+    for at, chunk in zip(offsets, chunks, strict=True):
+        if at > pos:
+            views.append(memoryview(bytes(at - pos)))
+        views.extend(chunk)
+        pos = at + sum(map(len, chunk))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    try:
+        _writev_all(fd, views)
+    finally:
+        os.close(fd)
+
+
+def _writev_all(fd: int, views: list[memoryview]) -> None:
+    """Every view, in order, to `fd` (writev, IOV_MAX at a time, resuming after a short write)."""
+    views = [v for v in views if len(v)]
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i : i + 1024])
+        if n <= 0:
+            raise OSError(f"writev wrote {n} bytes")
+        while n and i < len(views):
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0

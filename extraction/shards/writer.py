@@ -4,7 +4,8 @@ Protocol per sample: temp name in the shard's own directory -> write -> fsync ->
 then, for one shard (publish) or a batch (commit): fsync each directory -> append their lines to the
 index with one write (and fsync it). The bytes are torch.save's:
 laid out directly by `torchzip` (checked byte for byte against this host's torch.save at start; the
-tensors go to one writev from where they lie, the GIL released) or, where that check fails, by
+tensors go to one writev from where they lie, the GIL released - or, a tensor that is a view of a
+mapped dump, by sendfile from the dump: extraction/mapped_file.py) or, where that check fails, by
 torch.save itself. The index's checksum is the CRC32 of the whole file (the same bytes `full`
 verification checksums). A crash at any point leaves either no final file, or a complete fsynced
 one that the index may not list yet (the verifier reports it as unindexed). Temp names start with
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 import hsx.fsutil
+from extraction import mapped_file
 from extraction.shards import torchzip
 from hsx.fsutil import LinkRefused, open_dir_nofollow, open_subdir, unlink_quiet
 from hsx.index import (
@@ -149,20 +151,38 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write_pieces(f: Any, pieces: list[Any], wrapper: _WriteErrorFile, real_file: bool) -> None:
-    """Write every piece in order: writev on a real file (one call, GIL released), else through
-    the file object (a test's wrapper), keeping the OSError a write raised."""
+    """Write every piece in order: on a real file, a piece that is a view of a mapped file (a
+    dump's tensor: extraction/mapped_file.py) by sendfile from that file, the rest by writev (one
+    call for a run of pieces, GIL released); else through the file object (a test's wrapper),
+    keeping the OSError a write raised."""
     if not real_file:
         wrapper.f = f
         for piece in pieces:
             wrapper.write(piece)
         return
     fd = f.fileno()
-    views = [memoryview(p) for p in pieces if len(p)]
+    run: list[memoryview] = []
+    for piece in pieces:
+        view = memoryview(piece)
+        span = mapped_file.file_range(view)
+        if span is None:
+            run.append(view)
+            continue
+        _writev_all(fd, run, f.name)
+        run = []
+        sent = _sendfile_all(fd, *span, len(view))
+        _writev_all(fd, [view[sent:]], f.name)  # what sendfile could not do (not supported here)
+    _writev_all(fd, run, f.name)
+
+
+def _writev_all(fd: int, views: list[memoryview], name: str) -> None:
+    """Every view, in order (writev, 512 at a time, resuming after a short write)."""
+    views = [v for v in views if len(v)]
     i = 0
     while i < len(views):
         n = os.writev(fd, views[i : i + 512])
         if n <= 0:
-            raise OSError(errno.EIO, f"writev wrote nothing to {f.name}")
+            raise OSError(errno.EIO, f"writev wrote nothing to {name}")
         while n and i < len(views):  # a short write: go on from where it stopped
             if n >= len(views[i]):
                 n -= len(views[i])
@@ -170,6 +190,24 @@ def _write_pieces(f: Any, pieces: list[Any], wrapper: _WriteErrorFile, real_file
             else:
                 views[i] = views[i][n:]
                 n = 0
+
+
+def _sendfile_all(out_fd: int, in_fd: int, offset: int, count: int) -> int:
+    """Copy `count` bytes at `offset` of `in_fd` to `out_fd` in the kernel; the bytes copied,
+    fewer where sendfile into this file is not supported (the caller writes the rest). Other
+    errors (ENOSPC...) are raised."""
+    done = 0
+    while done < count:
+        try:
+            n = os.sendfile(out_fd, in_fd, offset + done, count - done)
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+                return done
+            raise
+        if n <= 0:  # the source is shorter than its mapping said: write the rest from memory
+            return done
+        done += n
+    return done
 
 
 class ShardWriter:

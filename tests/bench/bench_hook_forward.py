@@ -228,12 +228,7 @@ def main() -> int:
     ap.add_argument("--dir", default="/dev/shm", help="the dump directory's parent (tmpfs by default)")
     ap.add_argument("--check", type=int, default=4, help="requests whose dumps are compared with the source")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny widths: check the script, not the figure")
-    ap.add_argument("--no-crc", action="store_true",
-                    help="experiment: torch.save computes no CRC32 in this process (is the writer CRC-bound?)")
     args = ap.parse_args()
-    if args.no_crc:
-        torch.serialization.set_crc32_options(False)
-        print("experiment: torch.save without CRC32 (torch.serialization.set_crc32_options(False))")
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.hidden, args.layers, args.experts, args.rounds, args.warmup = 64, 8, 8, 2, 0

@@ -1,11 +1,12 @@
 """Dump hook cost, measured side by side in one run (the machine is shared and noisy).
 
 A prefill batch of K2.5-shaped states (hidden 7168, 3 aux layers, bf16) split into requests:
-1. hook.after_forward + flush (hand-off, then the writer thread's split, torch.save, rename: the
+1. hook.after_forward + flush (hand-off, then the writer thread's split, write_dump, rename: the
    whole write, waited for) vs the floor: one torch.save per request of tensors already split and
    owned (what any dump must at least do). The forward's critical path alone (after_forward
    without the wait) is measured by bench_sglang_path.py;
-2. reading a request back (dumps.read_request, chunked into pieces) vs torch.load of the same files;
+2. reading a request back (dumps.read_request, chunked into pieces, format 2: mapped) vs torch.load
+   of the floor's files (the same bytes in format 1, a torch.save'd dict);
 3. the patched forward line when the hook is inactive (HSX_DUMP_DIR unset): its cost per call.
 
     python tests/bench/bench_sglang_hook.py [--requests 4] [--tokens 512] [--hidden 7168] [--repeat 3]
@@ -97,8 +98,8 @@ def main() -> int:
                 dumps.read_request(d1, f"r{r}", expected_len=args.tokens)
             t_read.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            for f in sorted(os.listdir(d1)):
-                torch.load(os.path.join(d1, f), weights_only=True)
+            for f in sorted(os.listdir(d2)):
+                torch.load(os.path.join(d2, f), weights_only=True)
             t_load.append(time.perf_counter() - t0)
 
     med = statistics.median
