@@ -22,6 +22,9 @@ shards will take, the client's run, dd again. Printed per round and as median [m
                      server waits for the disk through the client's window, as it must (back-pressure)
   hook us/token      time inside the hook's after_forward a token (the forward's critical path;
                      its ratio to a synchronous save is tests/bench/bench_sglang_path.py's)
+  CPU s/GiB          user + system seconds per GiB of shards: the client's (this process, during
+                     its run), the server's (its hook's writer: the null model computes nothing)
+                     and dd's (the one after): what the path costs where the CPUs are shared
 
     .venv/bin/python tests/bench/bench_sglang_client.py [--rounds 3] [--samples 12] [--tokens 3700]
         [--concurrency 8] [--forward-us 0] [--chunk 8192] [--dump-dir DIR] [--dir DIR]
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -83,6 +87,18 @@ def bench_dataset(work: Path, n: int, tokens: int) -> Path:
             f.write(json.dumps({"id": f"k25-{i:05d}", "messages": [
                 {"role": "user", "content": f"{i} {text}"}, {"role": "assistant", "content": text}]}) + "\n")
     return path
+
+
+def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system seconds of a live process (/proc/<pid>/stat, fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def disk_sectors(path: str) -> tuple[str, int]:
@@ -162,12 +178,16 @@ def one_round(model: Path, dataset: Path, work: Path, dump_dir: str, shard_bytes
         ))
         runner = Runner(cfg, log=lambda m: None)
         dev, s0 = disk_sectors(str(work))
+        c0, srv0 = cpu_seconds(), proc_cpu_seconds(proc.pid)
         code = runner.run()
+        c1, srv1 = cpu_seconds(), proc_cpu_seconds(proc.pid)
         _dev, s1 = disk_sectors(str(work))
         assert code == 0, f"the client exited {code}"
         with urllib.request.urlopen(url + "/hsx_stats", timeout=10) as r:
             stats = json.loads(r.read())
+        d0 = cpu_seconds(resource.RUSAGE_CHILDREN)
         dd_after = dd(work, shard_bytes_guess)
+        dd_cpu = cpu_seconds(resource.RUSAGE_CHILDREN) - d0
     finally:
         proc.terminate()
         proc.wait(30)
@@ -190,6 +210,9 @@ def one_round(model: Path, dataset: Path, work: Path, dump_dir: str, shard_bytes
         "hook_us": stats["hook_s"] / max(1, stats["tokens"]) * 1e6,
         "bytes": nbytes,
         "seconds": seconds,
+        "client_cpu": (c1 - c0) / (nbytes / 2**30),
+        "server_cpu": (srv1 - srv0) / (nbytes / 2**30),
+        "dd_cpu": dd_cpu / (shard_bytes_guess / 2**30),
         "device": dev,
     }
 
@@ -228,7 +251,8 @@ def main() -> int:
                 f"round {r + 1}: client {row['client_mibs']:5.0f} MiB/s ({row['seconds']:.1f} s) | dd "
                 f"{row['dd_before']:.0f}/{row['dd_after']:.0f} MiB/s | ratio {row['ratio']:.3f} | "
                 f"{row['device']} wrote {row['disk_per_byte']:.3f} B/shard B | server idle {row['idle']:.3f} | "
-                f"hook {row['hook_us']:.3f} us/token | load {os.getloadavg()[0]:.1f}", flush=True
+                f"hook {row['hook_us']:.3f} us/token | CPU s/GiB client {row['client_cpu']:.2f} server "
+                f"{row['server_cpu']:.2f} dd {row['dd_cpu']:.2f} | load {os.getloadavg()[0]:.1f}", flush=True
             )
         print(f"over {len(rows)} rounds: median [min - max]")
         for key, label, fmt in (
@@ -237,6 +261,9 @@ def main() -> int:
             ("disk_per_byte", "output disk bytes per shard byte (target <= 1.05)", "{:.3f}"),
             ("idle", "server idle fraction (target <= 0.05)", "{:.3f}"),
             ("hook_us", "hook critical path us/token", "{:.3f}"),
+            ("client_cpu", "client CPU s/GiB of shards (user + system)", "{:.2f}"),
+            ("server_cpu", "server CPU s/GiB (its hook's writer; no model)", "{:.2f}"),
+            ("dd_cpu", "dd CPU s/GiB", "{:.2f}"),
         ):
             vals = [row[key] for row in rows]
             print(f"  {label:52s} {fmt.format(statistics.median(vals))} [{fmt.format(min(vals))} - {fmt.format(max(vals))}]")
