@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import errno
 import functools
 import json
 import logging
@@ -636,20 +637,21 @@ def write_dump(path: str, header: dict[str, Any], tensors: tuple[Any, Any, list[
         pos = at + sum(map(len, chunk))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o666)
     try:
-        _writev_all(fd, views)
+        writev_all(fd, views, path)
     finally:
         os.close(fd)
 
 
-def _writev_all(fd: int, views: list[memoryview]) -> None:
-    """Every view, in order, to `fd` (writev, IOV_MAX at a time, resuming after a short write)."""
-    views = [v for v in views if len(v)]
+def writev_all(fd: int, views: list[Any], name: str = "") -> None:
+    """Every view, in order, to `fd` (writev, 512 at a time, resuming after a short write). Here
+    because the hook is deployed as one file; the shard writer uses it too."""
+    views = [memoryview(v) for v in views if len(v)]
     i = 0
     while i < len(views):
-        n = os.writev(fd, views[i : i + 1024])
+        n = os.writev(fd, views[i : i + 512])
         if n <= 0:
-            raise OSError(f"writev wrote {n} bytes")
-        while n and i < len(views):
+            raise OSError(errno.EIO, f"writev wrote nothing to {name or fd}")
+        while n and i < len(views):  # a short write: go on from where it stopped
             if n >= len(views[i]):
                 n -= len(views[i])
                 i += 1
