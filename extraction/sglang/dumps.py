@@ -72,7 +72,8 @@ def failed_paths(directory: str, rid: str) -> list[str]:
 
 
 _MAX_HEADER = 1 << 16  # a dump's JSON header is ~400 bytes; anything past this is not ours
-_DTYPES = {name: getattr(torch, name) for name in hook.DUMP_DTYPES}
+_STATE_DTYPES = {name: getattr(torch, name) for name in hook.DUMP_DTYPES}
+_IDS_DTYPES = {"int64": torch.int64}
 
 
 def _load(path: str, rid: str) -> dict:
@@ -177,7 +178,8 @@ def _tensor_specs(path: str, meta: object, start: int, size: int) -> dict:
     specs, pos = {}, start
     for name, rank in zip(hook.DUMP_TENSORS, (1, 2, 2), strict=True):
         e = entries[name]
-        dtype = _DTYPES.get(e.get("dtype")) if isinstance(e, dict) else None
+        dtypes = _IDS_DTYPES if name == "input_ids" else _STATE_DTYPES
+        dtype = dtypes.get(e.get("dtype")) if isinstance(e, dict) else None
         shape, at = (e.get("shape"), e.get("at")) if isinstance(e, dict) else (None, None)
         if (
             dtype is None

@@ -50,7 +50,7 @@ DUMP_MAGIC = b"HSXDUMP2"
 DUMP_HEAD = struct.Struct("<8sQ")  # magic, then the JSON header's length in bytes
 DUMP_ALIGN = 4096  # every tensor's bytes start at a multiple of it (page-aligned when mapped)
 DUMP_TENSORS = ("input_ids", "hidden_state", "aux_hidden_state")  # in the file in this order
-DUMP_DTYPES = ("int64", "int32", "bfloat16", "float16", "float32")  # the reader accepts these only
+DUMP_DTYPES = ("bfloat16", "float16", "float32")  # the states' dtypes the reader accepts (ids: int64)
 ENV_DIR = "HSX_DUMP_DIR"
 ENV_LAYERS = "HSX_DUMP_LAYERS"
 ENV_BUDGET = "HSX_DUMP_BUDGET_MB"
@@ -572,9 +572,9 @@ def _shares_storage(a: Any, b: Any) -> bool:
         return False
 
 
-def _row_views(t: Any) -> memoryview:
-    """The bytes of a CPU tensor's rows, without a copy where it is contiguous (the caller keeps
-    `t`, or the copy it is given back through the view's owner, alive while the view is used)."""
+def _bytes_view(t: Any) -> memoryview:
+    """A CPU tensor's bytes, without a copy where it is contiguous (the view's owner keeps `t`, or
+    its contiguous copy, alive as long as the view lives)."""
     if not t.is_contiguous():
         t = t.contiguous()
     n = _nbytes(t)
@@ -615,8 +615,8 @@ def write_dump(path: str, header: dict[str, Any], tensors: tuple[Any, Any, list[
     rows = int(ids.shape[0])
     if any(p.dtype != parts[0].dtype or p.dim() != 2 or int(p.shape[0]) != rows for p in parts):
         raise ValueError("the aux parts differ in dtype or rows")
-    whole = [_row_views(p) for p in parts]
-    chunks = [[_row_views(ids)], [_row_views(hidden)]]
+    whole = [_bytes_view(p) for p in parts]
+    chunks = [[_bytes_view(ids)], [_bytes_view(hidden)]]
     if len(whole) == 1:
         chunks.append(whole)
     else:

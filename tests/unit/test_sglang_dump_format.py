@@ -97,6 +97,7 @@ BAD_HEADERS = [
     (_set("layer_ids", value=[1, "2"]), "layer_ids .* are not all integers"),
     (_set("tensors", value={"input_ids": {}}), "header tensors must be exactly"),
     (_set("tensors", "hidden_state", "dtype", value="complex64"), "header entry for hidden_state is invalid"),
+    (_set("tensors", "input_ids", "dtype", value="float32"), "header entry for input_ids is invalid"),
     (_set("tensors", "hidden_state", "dtype", value="float32"), "hidden_state and aux_hidden_state differ"),
     (_set("tensors", "aux_hidden_state", "dtype", value="float32"), "the tensors end at byte"),
     (_set("tensors", "hidden_state", "shape", value=[ROWS, -H]), "header entry for hidden_state is invalid"),
