@@ -24,9 +24,9 @@ description:
       flags and variables named like key, token, secret, password, passwd or credential
       (C(--api-key K), C(--hf-token=K), C(HF_TOKEN=K)), credentials in URLs and bearer tokens read
       C(<redacted>) in every result and message, and O(patterns) are matched against the redacted line.
-    - The logic lives in the class C(GpuReclaimer), which imports without Ansible (C(hsx.procfs) then comes
-      from the hsx package), so the same code runs on a GPU machine that has no Ansible (see
-      C(tests/gpu/test_gpu_reclaim.py)).
+    - The logic lives in the class C(GpuReclaimer) (module_utils C(hsx.gpu_reclaim)), which reads NVML through
+      module_utils C(hsx.nvml). This file imports without Ansible (those then come from the hsx package), so the
+      same code runs on a GPU machine that has no Ansible (see C(tests/gpu/test_gpu_reclaim.py)).
 version_added: "0.1.0"
 author:
     - hsx maintainers (!UNKNOWN)
@@ -241,22 +241,32 @@ msg:
     sample: "ended 1 process(es) (1 with SIGTERM only, 0 needed SIGKILL); every GPU below 2048 MiB"
 """
 
-import ctypes.util
-import os
 import re
-import signal
-import time
 import traceback
-from dataclasses import dataclass, field
 
 try:
     from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 except ImportError:  # The GPU machine has no Ansible: GpuReclaimer is used directly there.
     AnsibleModule = None
+# The NVML interface, the decisions and signals, and what /proc says live in module_utils/hsx (nvml,
+# gpu_reclaim, procfs).
 try:
-    from ansible.module_utils.hsx.procfs import ProcInfo, ProcTable
+    from ansible.module_utils.hsx.nvml import NvmlUnavailable, driver_present, gpu_result
+    from ansible.module_utils.hsx.nvml import PynvmlBackend as NvmlBackend
 except ImportError:  # Not run by Ansible: the same file, from the hsx package (module_utils/hsx).
-    from hsx.procfs import ProcInfo, ProcTable
+    from hsx.nvml import NvmlUnavailable, driver_present, gpu_result
+    from hsx.nvml import PynvmlBackend as NvmlBackend
+try:
+    from ansible.module_utils.hsx.gpu_reclaim import GpuReclaimer, ReclaimError
+except ImportError:  # Not run by Ansible: the same file, from the hsx package (module_utils/hsx).
+    from hsx.gpu_reclaim import GpuReclaimer, ReclaimError
+# Not used here: for the code that loads this file without Ansible (tests/unit, tests/gpu) and finds them in it.
+try:
+    from ansible.module_utils.hsx.nvml import Gpu, GpuProc  # noqa: F401  # pylint: disable=unused-import
+    from ansible.module_utils.hsx.procfs import ProcTable  # noqa: F401  # pylint: disable=unused-import
+except ImportError:  # Not run by Ansible: the same files, from the hsx package (module_utils/hsx).
+    from hsx.nvml import Gpu, GpuProc  # noqa: F401  # pylint: disable=unused-import
+    from hsx.procfs import ProcTable  # noqa: F401  # pylint: disable=unused-import
 
 try:
     import pynvml
@@ -277,277 +287,14 @@ ARGUMENT_SPEC = dict(
     wait=dict(type="bool", default=True),
     require_gpus=dict(type="bool", default=False),
 )
-MIB = 1 << 20
-# What an open NVIDIA device file's path starts with (/dev/nvidia0, /dev/nvidiactl, /dev/nvidia-uvm).
-DEVICE_PREFIX = "/dev/nvidia"
 
 
-class NvmlUnavailable(Exception):
-    """NVML cannot start here (no driver, no libnvidia-ml, driver/library mismatch)."""
-
-
-class ReclaimError(Exception):
-    """The GPUs could not be freed; `result` holds everything known at that point."""
-
-    def __init__(self, msg: str, result: dict):
-        super().__init__(msg)
-        self.result = result
-
-
-# ---------------------------------------------------------------- the NVML interface
-@dataclass
-class GpuProc:
-    """One compute process on one GPU as NVML reports it."""
-
-    pid: int
-    used_bytes: int | None
-
-
-@dataclass
-class Gpu:
-    """One GPU's state at one moment."""
-
-    index: int
-    name: str
-    uuid: str
-    used_bytes: int
-    total_bytes: int
-    utilization: int | None
-    processes: list[GpuProc] = field(default_factory=list)
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-class PynvmlBackend:
-    """The only code that talks to NVML: `gpus()` returns plain data (tests use a fake instead)."""
+class PynvmlBackend(NvmlBackend):
+    """hsx.nvml's backend on this host's nvidia-ml-py: `nvml` defaults to the `pynvml` imported
+    above (looked up when called), since the stdlib-only core never imports it itself."""
 
     def __init__(self, nvml=None):
-        self.nvml = nvml or pynvml
-        try:
-            self.nvml.nvmlInit()
-        except self.nvml.NVMLError as e:
-            raise NvmlUnavailable(f"NVML could not start: {e}") from e
-
-    def gpus(self) -> list[Gpu]:
-        n = self.nvml
-        out = []
-        for index in range(n.nvmlDeviceGetCount()):
-            handle = n.nvmlDeviceGetHandleByIndex(index)
-            mem = n.nvmlDeviceGetMemoryInfo(handle)
-            try:
-                util = int(n.nvmlDeviceGetUtilizationRates(handle).gpu)
-            except n.NVMLError:  # not supported (MIG) or not permitted
-                util = None
-            procs = []
-            for p in n.nvmlDeviceGetComputeRunningProcesses(handle):
-                used = getattr(p, "usedGpuMemory", None)
-                procs.append(GpuProc(int(p.pid), int(used) if isinstance(used, int) else None))
-            out.append(Gpu(index, _text(n.nvmlDeviceGetName(handle)), _text(n.nvmlDeviceGetUUID(handle)),
-                           int(mem.used), int(mem.total), util, procs))
-        return out
-
-    def close(self) -> None:
-        try:
-            self.nvml.nvmlShutdown()
-        except self.nvml.NVMLError:
-            pass
-
-
-def driver_present() -> bool:
-    """An NVIDIA driver is installed here (so a missing nvidia-ml-py is an error, not 'no GPU')."""
-    return os.path.exists("/proc/driver/nvidia/version") or bool(ctypes.util.find_library("nvidia-ml"))
-
-
-def devices(gpus: list[Gpu]) -> list[dict]:
-    """The RV(devices) of a reading."""
-    return [
-        {"index": g.index, "name": g.name, "uuid": g.uuid, "memory_used_mib": g.used_bytes // MIB,
-         "memory_total_mib": g.total_bytes // MIB, "utilization_percent": g.utilization,
-         "pids": sorted({p.pid for p in g.processes})}
-        for g in gpus
-    ]
-
-
-def gpu_result(gpus: list[Gpu], nvml: str = "ok", msg: str = "") -> dict:
-    """The module's result for a reading before anything is done (every key the module returns)."""
-    return {"changed": False, "gpus": len(gpus), "nvml": nvml, "devices": devices(gpus),
-            "devices_after": devices(gpus), "processes": [], "ended": [], "msg": msg}
-
-
-# ---------------------------------------------------------------- the logic
-@dataclass
-class Target:
-    """A GPU process and what is decided about it."""
-
-    pid: int
-    info: ProcInfo
-    gpus: list[int]
-    used_bytes: int | None
-    action: str = "none"
-    reason: str = ""
-    signal: str | None = None
-
-    def as_dict(self) -> dict:
-        info = self.info
-        return {"pid": self.pid, "visible": info.visible, "user": info.user, "cmdline": info.cmdline,
-                "unit": info.unit, "gpus": self.gpus,
-                "used_memory_mib": None if self.used_bytes is None else self.used_bytes // MIB,
-                "holds_device": info.holds_device, "action": self.action, "reason": self.reason,
-                "signal": self.signal}
-
-
-class GpuReclaimer:
-    """Finds GPU processes, decides which may be ended, ends them (TERM, then KILL) and waits for memory."""
-
-    def __init__(self, backend, patterns: list[str] = (), force: bool = False, protect_units: list[str] = (),
-                 grace_seconds: float = 15, timeout_seconds: float = 60, memory_threshold_mib: int = 2048,
-                 procs: ProcTable | None = None, poll_seconds: float = 0.2):
-        self.backend = backend
-        self.patterns = [(p, re.compile(p)) for p in patterns]
-        self.force = force
-        self.protect_units = set(protect_units)
-        self.grace = grace_seconds
-        self.timeout = timeout_seconds
-        self.threshold = memory_threshold_mib * MIB
-        self.procs = procs or ProcTable(device_prefix=DEVICE_PREFIX)
-        self.poll = poll_seconds
-
-    def targets(self, gpus: list[Gpu]) -> list[Target]:
-        """One Target per pid (a process on several GPUs appears once), undecided."""
-        by_pid: dict[int, Target] = {}
-        for g in gpus:
-            for p in g.processes:
-                t = by_pid.get(p.pid)
-                if t is None:
-                    t = by_pid[p.pid] = Target(p.pid, self.procs.info(p.pid), [], None)
-                t.gpus.append(g.index)
-                if p.used_bytes is not None:
-                    t.used_bytes = (t.used_bytes or 0) + p.used_bytes
-        return sorted(by_pid.values(), key=lambda t: t.pid)
-
-    def decide(self, t: Target) -> None:
-        """Set t.action to 'end' or 'keep', with the reason."""
-        t.action = "keep"
-        info = t.info
-        if not info.visible:
-            t.reason = "pid not visible here (another PID namespace or container, or already gone): not touched"
-        elif info.unit in self.protect_units:
-            t.reason = f"runs in protected unit {info.unit}"
-        elif info.holds_device is None:
-            t.reason = "cannot read its file descriptors to confirm it holds a GPU (not root?): not touched"
-        elif not info.holds_device:
-            t.reason = "does not hold an NVIDIA device open (pid reused?): not touched"
-        else:
-            hit = next((p for p, rx in self.patterns if rx.search(info.cmdline)), None)
-            if hit is not None:
-                t.action, t.reason = "end", f"matches {hit!r}"
-            elif self.force:
-                t.action, t.reason = "end", "force"
-            else:
-                t.reason = "not on the allowlist"
-
-    def _signal(self, t: Target, sig: signal.Signals) -> None:
-        if not self.procs.alive(t.pid, t.info.start_time):
-            return
-        try:
-            os.kill(t.pid, sig)
-        except ProcessLookupError:
-            return
-        t.signal = sig.name
-
-    def _poll(self, read, done, deadline: float):
-        """Call read() until done(value) or the deadline passes; the last value."""
-        while True:
-            value = read()
-            if done(value) or time.monotonic() >= deadline:
-                return value
-            time.sleep(self.poll)
-
-    def _alive(self, targets: list[Target]) -> list[Target]:
-        return [t for t in targets if self.procs.alive(t.pid, t.info.start_time)]
-
-    def end(self, targets: list[Target]) -> list[Target]:
-        """SIGTERM, SIGKILL after the grace period; returns those still alive after the timeout."""
-        for t in targets:
-            self._signal(t, signal.SIGTERM)
-        survivors = self._poll(lambda: self._alive(targets), lambda alive: not alive, time.monotonic() + self.grace)
-        for t in survivors:
-            self._signal(t, signal.SIGKILL)
-        return self._poll(lambda: self._alive(survivors), lambda alive: not alive, time.monotonic() + self.timeout)
-
-    def _over(self, gpus: list[Gpu]) -> list[Gpu]:
-        return [g for g in gpus if g.used_bytes >= self.threshold]
-
-    def wait_for_memory(self, deadline: float) -> list[Gpu]:
-        """Poll NVML until every GPU is below the threshold or the deadline passes; the last reading."""
-        return self._poll(self.backend.gpus, lambda gpus: not self._over(gpus), deadline)
-
-    def run(self, state: str = "present", check_mode: bool = False, wait: bool = True) -> dict:
-        """List (state=present) or free the GPUs (state=absent). Raises ReclaimError when they stay busy."""
-        started = time.monotonic()
-        before = self.backend.gpus()
-        targets = self.targets(before)
-        if state == "absent":
-            for t in targets:
-                self.decide(t)
-        chosen = [t for t in targets if t.action == "end"]
-        result = dict(gpu_result(before), changed=bool(chosen), ended=[t.pid for t in chosen])
-        if state == "present" or check_mode:
-            for t in chosen:
-                t.action = "would end"
-            result["processes"] = [t.as_dict() for t in targets]
-            verb = "would end" if chosen else "nothing to end;"
-            result["msg"] = f"{len(before)} GPU(s), {len(targets)} process(es)" + (
-                f"; {verb} {len(chosen)}" if state == "absent" else ""
-            )
-            return result
-
-        stuck = self.end(chosen)
-        for t in chosen:
-            t.action = "ended" if t not in stuck else "end"
-        after, over = before, []
-        if wait:
-            after = self.wait_for_memory(max(time.monotonic(), started + self.grace + self.timeout) if chosen else 0)
-            over = self._over(after)
-        elif chosen:
-            after = self.backend.gpus()
-        result.update(devices_after=devices(after), processes=[t.as_dict() for t in targets],
-                      ended=[t.pid for t in chosen if t not in stuck])
-        by_signal = {s: sum(t.signal == s for t in chosen) for s in ("SIGTERM", "SIGKILL")}
-        summary = (
-            f"ended {len(chosen) - len(stuck)} process(es) ({by_signal['SIGTERM']} with SIGTERM only, "
-            f"{by_signal['SIGKILL']} needed SIGKILL)"
-            if chosen
-            else "nothing to end"
-        )
-        if stuck or over:
-            result["msg"] = summary + "; " + self.busy_message(stuck, over, targets)
-            raise ReclaimError(result["msg"], result)
-        result["msg"] = summary + (f"; every GPU below {self.threshold // MIB} MiB" if wait else "")
-        return result
-
-    def busy_message(self, stuck: list[Target], over: list[Gpu], targets: list[Target]) -> str:
-        """Name what still holds the GPUs, so the operator knows what to look at."""
-        parts = []
-        if stuck:
-            parts.append("still alive after SIGKILL and the timeout: "
-                         + ", ".join(f"pid {t.pid} ({t.info.cmdline})" for t in stuck))
-        if over:
-            pids = {p.pid for g in over for p in g.processes}
-            held = "; ".join(
-                f"pid {t.pid} {t.info.cmdline or '(not visible)'} "
-                f"[{t.used_bytes // MIB if t.used_bytes is not None else '?'} MiB, {t.reason or 'exited?'}]"
-                for t in targets if t.pid in pids and t not in stuck
-            )
-            waited = " after the timeout" if stuck or any(t.action == "ended" for t in targets) else ""
-            parts.append(
-                f"GPU memory at or above {self.threshold // MIB} MiB{waited}: "
-                + ", ".join(f"GPU {g.index} {g.used_bytes // MIB} MiB" for g in over)
-                + (f"; held by {held}" if held else "; no compute process listed (driver still releasing?)")
-            )
-        return "; ".join(parts)
+        super().__init__(nvml or pynvml)
 
 
 # ---------------------------------------------------------------- the module

@@ -75,7 +75,8 @@ def device(tmp_path, monkeypatch) -> Path:
     """A stand-in device file; the module treats paths under tmp_path/'nvidia' as GPU devices."""
     dev = tmp_path / "nvidia0"
     dev.write_text("")
-    monkeypatch.setattr(gp, "DEVICE_PREFIX", str(tmp_path / "nvidia"))
+    # The default prefix lives with GpuReclaimer (hsx.gpu_reclaim, as the module imported it).
+    monkeypatch.setattr(sys.modules[gp.GpuReclaimer.__module__], "DEVICE_PREFIX", str(tmp_path / "nvidia"))
     return dev
 
 
