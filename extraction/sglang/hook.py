@@ -572,19 +572,6 @@ def _shares_storage(a: Any, b: Any) -> bool:
         return False
 
 
-def _bytes_view(t: Any) -> memoryview:
-    """A CPU tensor's bytes, without a copy where it is contiguous (the view's owner keeps `t`, or
-    its contiguous copy, alive as long as the view lives)."""
-    if not t.is_contiguous():
-        t = t.contiguous()
-    n = _nbytes(t)
-    if n == 0:
-        return memoryview(b"")
-    buf = (ctypes.c_ubyte * n).from_address(t.data_ptr())
-    buf._hsx_keep = t  # type: ignore[attr-defined]  # the bytes' owner lives as long as the view
-    return memoryview(buf).cast("B")
-
-
 def dump_layout(header: dict[str, Any], specs: dict[str, tuple[str, list[int], int]]) -> tuple[bytes, list[int]]:
     """The head of a dump (magic, header length, JSON header, zero padding) and each tensor's
     offset, for `specs` {name: (dtype name, shape, bytes)} in DUMP_TENSORS order. The header gains
@@ -610,51 +597,95 @@ def write_dump(path: str, header: dict[str, Any], tensors: tuple[Any, Any, list[
     """Write one dump file (format hsx-sglang-dump/2) at `path`, created exclusively and never
     through a link: `tensors` = (input_ids, hidden_state, aux parts), CPU tensors of the same
     rows; the aux parts are written interleaved row by row, as their concatenation on the last
-    dim would lie in memory, straight from where they are (writev; no copy in user space)."""
+    dim would lie in memory, straight from where they are: one iovec per part and row, so no
+    copy in user space and next to no Python while the server's threads want the GIL."""
+    import torch
+
     ids, hidden, parts = tensors
     rows = int(ids.shape[0])
     if any(p.dtype != parts[0].dtype or p.dim() != 2 or int(p.shape[0]) != rows for p in parts):
         raise ValueError("the aux parts differ in dtype or rows")
-    whole = [_bytes_view(p) for p in parts]
-    chunks = [[_bytes_view(ids)], [_bytes_view(hidden)]]
-    if len(whole) == 1:
-        chunks.append(whole)
-    else:
-        sizes = [len(w) // rows for w in whole] if rows else [0] * len(whole)
-        chunks.append([w[r * n : (r + 1) * n] for r in range(rows) for w, n in zip(whole, sizes, strict=True)])
-    specs = {
-        name: (str(t.dtype).removeprefix("torch."), [int(d) for d in t.shape], sum(map(len, chunk)))
-        for name, t, chunk in zip(DUMP_TENSORS[:2], (ids, hidden), chunks, strict=False)
-    }
+    ids, hidden = ids.contiguous(), hidden.contiguous()
+    parts = [p.contiguous() for p in parts]  # rows of a [tokens, H] state: already contiguous
     width = sum(int(p.shape[-1]) for p in parts)
-    specs[DUMP_TENSORS[2]] = (str(parts[0].dtype).removeprefix("torch."), [rows, width], sum(map(len, chunks[2])))
+    specs = {
+        name: (str(t.dtype).removeprefix("torch."), [int(d) for d in t.shape], _nbytes(t))
+        for name, t in zip(DUMP_TENSORS[:2], (ids, hidden), strict=False)
+    }
+    specs[DUMP_TENSORS[2]] = (str(parts[0].dtype).removeprefix("torch."), [rows, width], sum(map(_nbytes, parts)))
     head, offsets = dump_layout(header, specs)
-    views, pos = [memoryview(head)], len(head)
-    for at, chunk in zip(offsets, chunks, strict=True):
+    zeros = _zeros()
+    segments, pos = [(ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value or 0, len(head))], len(head)
+    for at, t in zip(offsets[:2], (ids, hidden), strict=True):
         if at > pos:
-            views.append(memoryview(bytes(at - pos)))
-        views.extend(chunk)
-        pos = at + sum(map(len, chunk))
+            segments.append((ctypes.addressof(zeros), at - pos))
+        segments.append((t.data_ptr(), _nbytes(t)))
+        pos = at + _nbytes(t)
+    if offsets[2] > pos:
+        segments.append((ctypes.addressof(zeros), offsets[2] - pos))
+    # The table points into head, zeros and the tensors: all held here until the writes are done.
+    iov = torch.cat([torch.tensor(segments, dtype=torch.int64).view(-1, 2), _aux_iovecs(parts, rows)])
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o666)
     try:
-        writev_all(fd, views, path)
+        _writev_table(fd, iov)
     finally:
         os.close(fd)
 
 
-def writev_all(fd: int, views: list[Any], name: str = "") -> None:
-    """Every view, in order, to `fd` (writev, 512 at a time, resuming after a short write). Here
-    because the hook is deployed as one file; the shard writer uses it too."""
-    views = [memoryview(v) for v in views if len(v)]
-    i = 0
-    while i < len(views):
-        n = os.writev(fd, views[i : i + 512])
-        if n <= 0:
-            raise OSError(errno.EIO, f"writev wrote nothing to {name or fd}")
-        while n and i < len(views):  # a short write: go on from where it stopped
-            if n >= len(views[i]):
-                n -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
+def _aux_iovecs(parts: list[Any], rows: int) -> Any:
+    """[rows * k, 2] int64 (address, length): row r of part 0, row r of part 1, ... - the bytes of
+    torch.cat(parts, dim=-1), in order, where they lie; one entry for a single part."""
+    import torch
+
+    lengths = torch.tensor([int(p.shape[-1]) * p.element_size() for p in parts], dtype=torch.int64)
+    bases = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64)
+    if len(parts) == 1:
+        return torch.stack([bases, lengths * rows], dim=-1)
+    r = torch.arange(rows, dtype=torch.int64).unsqueeze(1)
+    return torch.stack([bases + r * lengths, lengths.expand(rows, len(parts))], dim=-1).reshape(-1, 2)
+
+
+def _writev_table(fd: int, iov: Any) -> None:
+    """Write what the iovec table `iov` ([n, 2] int64: address, length; struct iovec on 64-bit
+    Linux) points at, in order: libc's writev through ctypes, which lets go of the GIL for the
+    call, IOV_MAX entries a call; a short write resumes inside the entry it stopped in."""
+    import torch
+
+    writev = _libc_writev()
+    i, n = 0, int(iov.shape[0])
+    while i < n:
+        count = min(_IOV_MAX, n - i)
+        done = writev(fd, iov.data_ptr() + 16 * i, count)
+        if done < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            raise OSError(err, os.strerror(err))
+        ends = torch.cumsum(iov[i : i + count, 1], 0)
+        if done == 0 and int(ends[-1]) > 0:
+            raise OSError(errno.EIO, f"writev wrote nothing to fd {fd}")
+        full = int(torch.searchsorted(ends, done, right=True))  # entries written whole
+        if full < count:  # stopped inside entry i + full: start there next time
+            inside = done - (int(ends[full - 1]) if full else 0)
+            iov[i + full, 0] += inside
+            iov[i + full, 1] -= inside
+        i += full
+
+
+_IOV_MAX = 1024  # Linux's UIO_MAXIOV
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_writev() -> Any:
+    if ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_size_t) != 8:
+        raise OSError(errno.ENOSYS, "the dump writer needs a 64-bit platform")
+    writev = ctypes.CDLL(None, use_errno=True).writev
+    writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    writev.restype = ctypes.c_ssize_t
+    return writev
+
+
+@functools.lru_cache(maxsize=1)
+def _zeros() -> Any:
+    """DUMP_ALIGN zero bytes: the padding between a dump's tensors points here."""
+    return (ctypes.c_ubyte * DUMP_ALIGN)()

@@ -30,7 +30,6 @@ import torch
 
 import hsx.fsutil
 from extraction import mapped_file
-from extraction.sglang.hook import writev_all
 from extraction.shards import torchzip
 from hsx.fsutil import LinkRefused, open_dir_nofollow, open_subdir, unlink_quiet
 from hsx.index import (
@@ -174,6 +173,23 @@ def _write_pieces(f: Any, pieces: list[Any], wrapper: _WriteErrorFile, real_file
         sent = _sendfile_all(fd, *span, len(view))
         writev_all(fd, [view[sent:]], f.name)  # what sendfile could not do (not supported here)
     writev_all(fd, run, f.name)
+
+
+def writev_all(fd: int, views: list[Any], name: str = "") -> None:
+    """Every view, in order, to `fd` (writev, 512 at a time, resuming after a short write)."""
+    views = [memoryview(v) for v in views if len(v)]
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i : i + 512])
+        if n <= 0:
+            raise OSError(errno.EIO, f"writev wrote nothing to {name or fd}")
+        while n and i < len(views):  # a short write: go on from where it stopped
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
 
 
 def _sendfile_all(out_fd: int, in_fd: int, offset: int, count: int) -> int:

@@ -3,8 +3,11 @@ the dump directory can lie, refused with the path and what is wrong (#29)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import struct
 
 import pytest
 import torch
@@ -157,3 +160,37 @@ def test_a_link_a_fifo_and_a_directory_named_as_a_dump_are_refused_without_waiti
     folder.mkdir()
     with pytest.raises(dumps.DumpError, match="not a regular file"):
         dumps._load(str(folder), RID)
+
+
+def test_short_and_interrupted_writes_resume_where_they_stopped(tmp_path, monkeypatch):
+    """The writer's writev (libc, through ctypes) may write less than asked or be interrupted:
+    a writev that writes at most 7 bytes of its first entry a call, and fails with EINTR every
+    third call, gives the same file."""
+    ids, hidden, parts = _tensors()
+    want = tmp_path / "want"
+    hook.write_dump(str(want), _header(), (ids, hidden, parts))
+    calls = []
+
+    def dribble(fd, table, count):
+        calls.append(count)
+        if len(calls) % 3 == 0:
+            ctypes.set_errno(errno.EINTR)
+            return -1
+        base, length = struct.unpack("<QQ", ctypes.string_at(table, 16))
+        return os.write(fd, ctypes.string_at(base, min(length, 7)))
+
+    monkeypatch.setattr(hook, "_libc_writev", lambda: dribble)
+    got = tmp_path / "got"
+    hook.write_dump(str(got), _header(), (ids, hidden, parts))
+    assert got.read_bytes() == want.read_bytes() and len(calls) > 100
+
+
+def test_a_failing_write_raises_with_its_errno(tmp_path, monkeypatch):
+    def full(fd, table, count):
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    monkeypatch.setattr(hook, "_libc_writev", lambda: full)
+    with pytest.raises(OSError) as e:
+        hook.write_dump(str(tmp_path / "d"), _header(), _tensors())
+    assert e.value.errno == errno.ENOSPC
