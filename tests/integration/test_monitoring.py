@@ -2,7 +2,9 @@
 node_exporter (Debian's, in the host) over its veth link, with roles/monitoring's alert rules:
 the scraped values of a finished run equal `hsx status --json`, and when /data fills the job
 pauses and HsxJobPausedDiskLow fires. Then roles/monitoring moves the textfile directory (check
-mode first: nothing changes), node_exporter reads the new one, and a second run changes nothing."""
+mode first: nothing changes), node_exporter reads the new one, and a second run changes nothing.
+And a node provisioned before roles/monitoring (its textfile directory root's): the job's roles
+alone (what recover.yml runs) let the job's account write its metrics there."""
 
 from __future__ import annotations
 
@@ -162,3 +164,22 @@ def test_monitoring_role_moves_the_textfile_dir_checks_first_and_changes_nothing
         back = playbook("tests/plays/monitoring.yml")
         assert back.rc == 0, back.output[-3000:]
     assert lab_ssh(HOST, "grep ^ARGS= /etc/default/prometheus-node-exporter").stdout == args_before
+
+
+def test_the_jobs_roles_alone_let_its_account_write_an_old_nodes_textfile_dir(prom) -> None:
+    """A textfile directory only root may write (a node provisioned before roles/monitoring): the
+    job's roles, without roles/monitoring, give it to the job's group - not in check mode - and
+    the job's account can then write its metrics there; a second run changes nothing."""
+    textfile = "/var/lib/prometheus/node-exporter"
+    lab_ssh(HOST, f"chgrp root {textfile} && chmod 0755 {textfile}")
+    writable = f"runuser -u hsx -- test -w {textfile}"
+    assert lab_ssh(HOST, writable).returncode != 0
+    check = playbook("tests/plays/deploy_and_run.yml", "--check", *FAST)
+    assert check.rc == 0, check.output[-3000:]
+    assert lab_ssh(HOST, writable).returncode != 0  # check mode changed nothing
+    first = playbook("tests/plays/deploy_and_run.yml", *FAST)
+    assert first.rc == 0, first.output[-3000:]
+    assert lab_ssh(HOST, f"stat -c %G:%a {textfile}").stdout.strip() == "hsx:775"
+    assert lab_ssh(HOST, writable).returncode == 0
+    again = playbook("tests/plays/deploy_and_run.yml", *FAST)
+    assert again.rc == 0 and again.recap()[HOST]["changed"] == 0, again.output[-3000:]
