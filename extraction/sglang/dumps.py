@@ -87,14 +87,14 @@ def _load(path: str, rid: str) -> dict:
         raise DumpError(f"{path}: unreadable dump: {exc}") from None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise DumpError(f"{path}: not a regular file")
-        head = os.pread(fd, hook.DUMP_HEAD.size, 0)
-    except (OSError, DumpError) as exc:
+        regular = stat.S_ISREG(info.st_mode)
+        head = os.pread(fd, hook.DUMP_HEAD.size, 0) if regular else b""
+    except OSError as exc:
         os.close(fd)
-        if isinstance(exc, DumpError):
-            raise
         raise DumpError(f"{path}: unreadable dump: {exc}") from None
+    if not regular:
+        os.close(fd)
+        raise DumpError(f"{path}: not a regular file")
     if head[:4] == b"PK\x03\x04":
         os.close(fd)
         record = _load_v1(path)
@@ -116,7 +116,7 @@ def _load_v1(path: str) -> dict:
     except Exception as exc:
         raise DumpError(f"{path}: unreadable dump: {exc}") from None
     if not isinstance(record, dict) or record.get("format") != hook.FORMAT_V1:
-        raise DumpError(f"{path}: not a {hook.FORMAT} dump")
+        raise DumpError(f"{path}: not a {hook.FORMAT_V1} dump")
     return record
 
 
