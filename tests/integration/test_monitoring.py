@@ -171,6 +171,7 @@ def test_the_jobs_roles_alone_let_its_account_write_an_old_nodes_textfile_dir(pr
     job's roles, without roles/monitoring, give it to the job's group - not in check mode - and
     the job's account can then write its metrics there; a second run changes nothing."""
     textfile = "/var/lib/prometheus/node-exporter"
+    lab_ssh(HOST, "rm -f /data/filler")  # the disk-low test's: the job's roles would refuse a full /data
     lab_ssh(HOST, f"chgrp root {textfile} && chmod 0755 {textfile}")
     writable = f"runuser -u hsx -- test -w {textfile}"
     assert lab_ssh(HOST, writable).returncode != 0
