@@ -33,7 +33,7 @@ from extraction.mapped_file import MappedFile
 from extraction.sglang import hook
 from extraction.sglang.hook import FAILED_SUFFIX, rid_stem
 
-_KEYS = ("input_ids", "hidden_state", "aux_hidden_state")
+_KEYS = hook.DUMP_TENSORS  # a piece's tensors, in the file's order
 
 
 class DumpError(ValueError):
@@ -188,7 +188,7 @@ def _tensor_specs(path: str, meta: object, start: int, size: int) -> dict:
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)
             or not isinstance(at, int)
             or isinstance(at, bool)
-            or at != -(-pos // hook.DUMP_ALIGN) * hook.DUMP_ALIGN  # where the writer puts it
+            or at != hook.dump_aligned(pos)  # where the writer puts it
         ):
             raise DumpError(f"{path}: header entry for {name} is invalid: {e!r}")
         nbytes = torch.empty((), dtype=dtype).element_size()

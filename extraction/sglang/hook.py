@@ -572,6 +572,11 @@ def _shares_storage(a: Any, b: Any) -> bool:
         return False
 
 
+def dump_aligned(n: int) -> int:
+    """`n` rounded up to DUMP_ALIGN: where a dump's next tensor starts after `n` bytes."""
+    return -(-n // DUMP_ALIGN) * DUMP_ALIGN
+
+
 def dump_layout(header: dict[str, Any], specs: dict[str, tuple[str, list[int], int]]) -> tuple[bytes, list[int]]:
     """The head of a dump (magic, header length, JSON header, zero padding) and each tensor's
     offset, for `specs` {name: (dtype name, shape, bytes)} in DUMP_TENSORS order. The header gains
@@ -584,9 +589,9 @@ def dump_layout(header: dict[str, Any], specs: dict[str, tuple[str, list[int], i
             dtype, shape, nbytes = specs[name]
             entries[name] = {"dtype": dtype, "shape": shape, "at": pos}
             offsets.append(pos)
-            pos += -(-nbytes // DUMP_ALIGN) * DUMP_ALIGN
+            pos += dump_aligned(nbytes)
         text = json.dumps({**header, "tensors": entries}, separators=(",", ":")).encode()
-        need = -(-(DUMP_HEAD.size + len(text)) // DUMP_ALIGN) * DUMP_ALIGN
+        need = dump_aligned(DUMP_HEAD.size + len(text))
         if need <= at:  # offsets only grow with `at`: this terminates
             head = DUMP_HEAD.pack(DUMP_MAGIC, len(text)) + text
             return head + bytes(at - len(head)), offsets
