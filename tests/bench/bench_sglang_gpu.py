@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -161,6 +162,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             server.kill()
     left = sorted(os.listdir(dump_dir))
+    shutil.rmtree(dump_dir, ignore_errors=True)  # tmpfs: RAM until removed
     secs["hf"] = extract(common + ["--output", str(work / "out-hf"), "--backend", "hf", "--device", args.device,
                                    "--batch-size", str(args.batch_size)], env)
     tokens = sum(e.num_tokens for e in load_index(str(work / "out-hf")).values())
