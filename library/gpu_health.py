@@ -63,6 +63,7 @@ attributes:
         support: none
         description: Nothing is changed, so there is nothing to diff.
     platform:
+        support: full
         platforms: posix
         description: Linux hosts with an NVIDIA driver.
 notes:

@@ -99,7 +99,7 @@ def _bus(value: str) -> str:
     parts = value.lower().split(":")
     if len(parts) == 3:
         parts[0] = parts[0][-4:].rjust(4, "0")
-    return ":".join(parts).split(".")[0]
+    return ":".join(parts).split(".", maxsplit=1)[0]
 
 
 def _maybe(nvml: Any, fn: Callable[[], Any]) -> Any:
@@ -187,8 +187,13 @@ def read_xids(lines: list[str]) -> list[Xid]:
 def judge(gpus: list[GpuHealth], xids: list[Xid] | None, policy: Policy) -> list[Finding]:
     """The findings for these readings. xids None: the kernel log could not be read (a warning)."""
     findings: list[Finding] = []
-    fail = lambda gpu, check, msg: findings.append(Finding(gpu, check, "fail", msg))  # noqa: E731
-    warn = lambda gpu, check, msg: findings.append(Finding(gpu, check, "warn", msg))  # noqa: E731
+
+    def fail(gpu: int | None, check: str, msg: str) -> None:
+        findings.append(Finding(gpu, check, "fail", msg))
+
+    def warn(gpu: int | None, check: str, msg: str) -> None:
+        findings.append(Finding(gpu, check, "warn", msg))
+
     if policy.expected_gpus is not None and len(gpus) != policy.expected_gpus:
         fail(None, "count", f"{len(gpus)} GPUs present, {policy.expected_gpus} expected")
     elif not gpus:
