@@ -110,12 +110,15 @@ def _checks(f: dict[str, Any]) -> list[dict[str, Any]]:
     if gpu:
         changed = gpu.get("units_changed") or []
         ended = gpu.get("processes_ended") or []
+        health = gpu.get("health") if isinstance(gpu.get("health"), dict) else {}
+        findings = [x.get("message", "") for x in health.get("findings") or [] if isinstance(x, dict)]
         add(
             "gpus",
-            not gpu.get("failed"),
+            not gpu.get("failed") and health.get("passed", True) is not False,
             f"{len(gpu.get('units_running') or [])} units held the node "
             f"({', '.join(gpu.get('units_running') or []) or 'none'}); changed {', '.join(changed) or 'nothing'}; "
-            f"{len(ended)} GPU processes ended; {gpu.get('gpus', 0)} GPUs",
+            f"{len(ended)} GPU processes ended; {gpu.get('gpus', 0)} GPUs"
+            + (f"; health: {'; '.join(findings) or 'passed'}" if health.get("checked") else ""),
         )
     storage = f.get("storage_guard_result")
     if storage:

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ def _install() -> str:
         return "promtool is not installed and cannot be here (needs root and apt): apt-get install prometheus"
     spec = importlib.util.spec_from_file_location("hsx_lab_for_promtool", REPO / "tests" / "lab" / "lab.py")
     lab = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = lab  # its dataclasses look their module up there
     spec.loader.exec_module(lab)
     try:
         lab.ensure_control_packages()

@@ -25,7 +25,16 @@ PLAY = """
     - name: The facts a recovery leaves
       ansible.builtin.set_fact:
         shard_verify_result: {skipped: false, bad_count: 3, missing_count: 1, quarantined_count: 3}
-        gpu_reclaim_result: {units_changed: [vllm.service, sglang-old.service], processes_ended: [{pid: 7}]}
+        gpu_reclaim_result:
+          units_changed: [vllm.service, sglang-old.service]
+          processes_ended: [{pid: 7}]
+          health:
+            checked: true
+            findings: >-
+              {{ [{'gpu': 3, 'check': 'ecc', 'severity': 'fail', 'message': 'GPU 3: 2 uncorrectable'},
+                  {'gpu': 3, 'check': 'xid', 'severity': 'fail', 'message': 'GPU 3: XID 48'},
+                  {'gpu': 1, 'check': 'ecc', 'severity': 'warn', 'message': 'GPU 1: ECC is disabled'}]
+                 if failed | bool else [] }}
     - name: A failure, when asked
       ansible.builtin.set_fact:
         recover_report_failed_stage: 'job "x"'
@@ -74,6 +83,7 @@ def test_recovery_metrics_are_written_and_clean(tmp_path: Path, failed: bool) ->
     assert got["hsx_recover_shards_bad"][1] == 3 and got["hsx_recover_shards_missing"][1] == 1
     assert got["hsx_recover_shards_quarantined"][1] == 3
     assert got["hsx_recover_units_stopped"][1] == 2 and got["hsx_recover_gpu_processes_ended"][1] == 1
+    assert got["hsx_recover_gpus_unhealthy"][1] == (1 if failed else 0)  # GPU 3 fails twice; a warning is no failure
     assert abs(got["hsx_recover_timestamp_seconds"][1] - prom.stat().st_mtime) < 120
 
 

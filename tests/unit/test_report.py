@@ -100,3 +100,17 @@ def test_report_json_has_the_documented_shape(tmp_path, host):
     data = json.loads((tmp_path / f"{host}.json").read_text())
     assert {"host", "ok", "checks", "before", "after"} <= data.keys()
     assert all({"name", "ok", "detail"} == set(c) for c in data["checks"])
+
+
+def test_a_gpu_that_failed_the_health_gate_fails_the_gpus_check_with_the_findings():
+    facts = json.loads(json.dumps(RECOVERED))
+    facts["gpu_reclaim_result"]["health"] = {"checked": True, "passed": True, "findings": []}
+    gpus = {c["name"]: c for c in host_report(facts)["checks"]}["gpus"]
+    assert gpus["ok"] and gpus["detail"].endswith("8 GPUs; health: passed")
+    facts["gpu_reclaim_result"]["health"] = {
+        "checked": True, "passed": False,
+        "findings": [{"gpu": 3, "check": "ecc", "severity": "fail",
+                      "message": "GPU 3: 2 uncorrectable ECC errors since the driver loaded"}]}
+    r = host_report(facts)
+    gpus = {c["name"]: c for c in r["checks"]}["gpus"]
+    assert not r["ok"] and not gpus["ok"] and "health: GPU 3: 2 uncorrectable ECC errors" in gpus["detail"]
