@@ -272,10 +272,11 @@ class SGLangBackend:
                     max_bytes=self.reply_max_bytes,
                 )
             except reply.ReplyLimit as exc:
-                what = "reply_deadline" if "within" in str(exc) else "reply_max_bytes"
-                raise SGLangError(
-                    f"{sample_id}: {exc} ({what}): is it a healthy SGLang server? check it, or raise {what}"
-                ) from None
+                if exc.limit == "deadline":
+                    why = "the server is stuck or overloaded; check its log (limit: reply_deadline)"
+                else:
+                    why = f"no SGLang reply to one token is that long; check what answers at {self.url} (limit: reply_max_bytes)"
+                raise SGLangError(f"{sample_id}: {exc}: {why}") from None
             except (OSError, http.client.HTTPException) as exc:
                 raise _NoAnswer(f"{type(exc).__name__}: {exc}") from None
             status, data = answer.status, answer.body
@@ -351,12 +352,14 @@ class SGLangBackend:
             dump = dumps.wait_request(self.dump_dir, rid, len(ids), self.dump_timeout)
         except BaseException as exc:
             self._give_up(rid)
-            if isinstance(exc, dumps.DumpError) and not isinstance(exc, (dumps.DumpWriteFailed, dumps.DumpIncomplete)):
-                raise SGLangError(f"{sample_id}: its dump was refused: {exc}") from None
             if isinstance(exc, dumps.DumpIncomplete):
                 raise SGLangError(
                     f"{sample_id}: no complete dump after {self.dump_timeout:.0f}s: {exc} "
                     "(is the server patched, its hook active, and the dump dir the same?)"
+                ) from None
+            if isinstance(exc, dumps.DumpError) and not isinstance(exc, dumps.DumpWriteFailed):
+                raise SGLangError(
+                    f"{sample_id}: its dump was refused: {exc} (failed at once: a dump in place does not change)"
                 ) from None
             raise
         if not self.keep_dumps:
@@ -399,7 +402,11 @@ class SGLangBackend:
                 return
             self._stale_at = now
         strays: list[str] = []
-        for name in dumps.stale_names(self.dump_dir, self.rid_prefix, strays):
+        try:
+            names = dumps.stale_names(self.dump_dir, self.rid_prefix, strays)
+        except OSError as exc:  # the directory unreadable: say so once, never fail a sample for it
+            names, strays = [], [f". (not listed: {exc.strerror})"]
+        for name in names:
             try:
                 os.unlink(os.path.join(self.dump_dir, name))
             except FileNotFoundError:

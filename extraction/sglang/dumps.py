@@ -143,7 +143,9 @@ def _check_record(path: str, record: dict, rid: str, fmt: str) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() != rank or int(t.shape[0]) != n:
             raise DumpError(f"{path}: {key} missing or not {n} rows of rank {rank}")
     if ids.dtype != torch.int64 or record["hidden_state"].dtype not in _STATE_DTYPES.values():
-        raise DumpError(f"{path}: input_ids {ids.dtype} (int64 wanted), states {record['hidden_state'].dtype}")
+        raise DumpError(
+            f"{path}: input_ids {ids.dtype} (int64 wanted), states {record['hidden_state'].dtype}"
+        )
 
 
 def _load_v1(path: str) -> dict:

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 
 class ReplyLimit(Exception):
-    """The reply broke the deadline or the size cap; the message says which and its limit."""
+    """The reply broke the deadline (`limit` "deadline") or the size cap ("size"); the message
+    says which and its value."""
+
+    def __init__(self, limit: str, message: str):
+        super().__init__(message)
+        self.limit = limit
 
 
 @dataclass
@@ -68,20 +73,23 @@ def post(
         resp = conn.getresponse()
         length = resp.getheader("Content-Length")
         if length is not None and length.strip().isdigit() and int(length) > max_bytes:
-            raise ReplyLimit(f"{url} announced a reply of {int(length)} bytes, over the cap of {max_bytes}")
+            raise ReplyLimit(
+                "size", f"{url} announced a reply of {int(length)} bytes, over the cap of {max_bytes}"
+            )
         data = resp.read(max_bytes + 1)  # a cut socket ends it early, without an error
         if expired.is_set():
             raise OSError("deadline passed while reading")
         if len(data) > max_bytes:
-            raise ReplyLimit(f"{url} sent a reply over the cap of {max_bytes} bytes")
+            raise ReplyLimit("size", f"{url} sent a reply over the cap of {max_bytes} bytes")
         if length is not None and length.strip().isdigit() and len(data) < int(length):
             raise http.client.IncompleteRead(data, int(length) - len(data))
         return Reply(resp.status, data)
     except (OSError, http.client.HTTPException):
         if expired.is_set():
             raise ReplyLimit(
+                "deadline",
                 f"{url} did not send its whole reply within {deadline:g}s "
-                f"(after {time.monotonic() - started:.1f}s)"
+                f"(after {time.monotonic() - started:.1f}s)",
             ) from None
         raise
     finally:

@@ -77,7 +77,9 @@ def _sample() -> Sample:
 
 
 def _backend(url: str, dump_dir, **kw) -> SGLangBackend:
-    return SGLangBackend(url, str(dump_dir), str(dump_dir), [1, 2, 3], health_timeout=5, dump_timeout=0.1, **kw)
+    return SGLangBackend(
+        url, str(dump_dir), str(dump_dir), [1, 2, 3], health_timeout=5, dump_timeout=0.1, **kw
+    )
 
 
 def test_a_dripping_reply_fails_the_sample_at_the_deadline(server, tmp_path):

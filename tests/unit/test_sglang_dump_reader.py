@@ -216,7 +216,10 @@ def test_strays_named_like_stale_files_are_skipped_and_named(tmp_path):
     strays: list[str] = []
     assert dumps.stale_names(str(tmp_path), "hsx-abcd0123-", strays) == [stale.name]
     assert sorted(strays) == sorted(
-        [f"{hook.dump_name(other, 16)} (not a regular file)", f"{huge_pid.name} (pid {'9' * 20} is no process id)"]
+        [
+            f"{hook.dump_name(other, 16)} (not a regular file)",
+            f"{huge_pid.name} (pid {'9' * 20} is no process id)",
+        ]
     )
     assert dumps.remove_request(str(tmp_path), other) == 1  # the directory is left, not fatal
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([hook.dump_name(other, 16), huge_pid.name])

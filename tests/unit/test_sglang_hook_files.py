@@ -105,4 +105,7 @@ def test_the_owners_or_our_group_may_write_the_dump_directory(tmp_path):
     os.chown(own, -1, 12345)
     assert hook.dump_dir_problem(str(own)) is None  # group may read, not write
     (tmp_path / "file").write_text("")
-    assert hook.dump_dir_problem(str(tmp_path / "file")) == f"dump directory {tmp_path / 'file'} is not a directory"
+    assert (
+        hook.dump_dir_problem(str(tmp_path / "file"))
+        == f"dump directory {tmp_path / 'file'} is not a directory"
+    )
