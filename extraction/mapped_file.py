@@ -8,6 +8,12 @@ page cache inside the kernel. On the dev machine, for a 212 MB sample into ext4,
 system time instead of 194 (dd's own write costs the latter): the client's largest CPU cost per
 byte, halved (docs/benchmarks.md, issue #29).
 
+Since issue #38 the dump reader (extraction/sglang/dumps.py) reads dumps with pread instead: a
+mapped file that shrinks under the client, or a disk read error behind a mapping, is a SIGBUS
+that kills the client, not an error of one sample. Nothing on the product path makes a
+MappedFile now; `file_range` finds nothing there and the shard writer writes the bytes. Only a
+file that nobody else can shrink and whose disk cannot fail a read (a sealed memfd) may be mapped.
+
 Contract:
 - `MappedFile(fd)` maps the whole regular file `fd` privately (copy on write: a write into a
   tensor never reaches the file) and takes the descriptor: it is closed when the mapping goes,

@@ -8,9 +8,18 @@ ids the ones the run records) and delete. The runner streams samples to `extract
 `window` (= --concurrency) requests in flight at all times, so the server always has requests to
 batch (extraction/runner/stream.py); `extract(samples)` runs a list at once (tests, tools).
 
-A one-piece dump is published straight from the mapped file (torch.load mmap; the file is unlinked
-once read, its pages live until the shard is written): no copy. A request chunked prefill cut into
-pieces is joined with one copy (torch.cat), as the shard needs one contiguous tensor.
+A dump is read into memory of ours (pread, never mapped: a dump that shrinks or a disk read error
+fails that sample, not the client) and its file unlinked; a request chunked prefill cut into
+pieces is joined with one copy more (torch.cat), as the shard needs one contiguous tensor.
+
+The reply to POST /generate has a deadline for the whole of it (`reply_deadline`, default
+REPLY_DEADLINE_S) and a size cap (`reply_max_bytes`, default REPLY_MAX_BYTES): the socket timeout
+alone bounds each read, so a server dripping a byte a second never ended, and any body was
+buffered whole (extraction/sglang/reply.py). Breaking either fails the sample (SGLangError naming
+the server and the limit).
+
+The dump directory must be writable by nobody but its owner and a trusted group
+(hook.dump_dir_problem, the rule the server's hook applies too): refused at start otherwise.
 
 The reply does not wait for the dump (docs/sglang_hook.md says why): when it leaves, the hook's
 writer thread has taken every piece of the request, not necessarily written them. So the client
@@ -31,8 +40,9 @@ When an attempt fails:
   `write_retries` times;
 - a connection failure (the server restarting): wait for /health, ask again with a new rid, up to
   `connect_retries` times;
-- an HTTP error, a 200 that is not JSON, no complete dump within `dump_timeout`: the sample fails
-  (SGLangError; the runner's --retries apply).
+- an HTTP error, a 200 that is not JSON, a reply past its deadline or cap, a dump the reader
+  refuses (at once: a piece is renamed into place whole, so it will not change), no complete dump
+  within `dump_timeout`: the sample fails (SGLangError; the runner's --retries apply).
 An attempt given up leaves no dump: its files are removed at once, and again (for pieces the hook
 had not written yet) once a request sent after it has its dump in, as the hook's one writer writes
 in order, and at close(). With several writers (DP attention: one per attention-TP group) a late
@@ -43,6 +53,8 @@ no live request will read: the killed client's dumps (its rids carry another cli
 late pieces land after it died) and the dead server's temp files (dumps.stale_names). It does so at
 start, every STALE_SWEEP_SECONDS while it runs, and at close, and only while it holds the dump
 directory's client lock (one client per dump directory; a second one leaves others' files alone).
+An entry it cannot or will not remove (a directory named like a dump, a temp whose pid is no
+process id) is skipped and said once, through `log`: it never stops the client.
 """
 
 from __future__ import annotations
@@ -51,11 +63,13 @@ import http.client
 import json
 import os
 import re
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -63,10 +77,18 @@ import torch
 
 from extraction.backends.base import ModelInfo, Sample, SampleStates
 from extraction.config import DEFAULT_DUMP_TIMEOUT, ConfigError, read_api_key
-from extraction.sglang import dumps, hook
+from extraction.sglang import dumps, hook, reply
 
 ENV_DUMP_DIR = hook.ENV_DIR  # the client reads the same variable the server's hook does
 STALE_SWEEP_SECONDS = 1.0  # how often, at most, the dump directory is swept of what a crash left
+# POST /generate's whole reply: a prefill of max_new_tokens 1 answers in seconds to minutes under
+# load (as the per-read request_timeout, 600 s, allowed before) with a body of a few hundred bytes.
+REPLY_DEADLINE_S = 600.0
+REPLY_MAX_BYTES = 16 << 20
+
+
+def _say(msg: str) -> None:
+    print(f"hsx extract: {msg}", file=sys.stderr, flush=True)
 
 
 class SGLangError(RuntimeError):
@@ -104,8 +126,15 @@ class SGLangBackend:
         keep_dumps: bool = False,
         api_key: str | None = None,
         api_key_file: str | None = None,
+        reply_deadline: float = REPLY_DEADLINE_S,
+        reply_max_bytes: int = REPLY_MAX_BYTES,
+        log: Callable[[str], None] | None = None,
     ):
         self.url = server_url.rstrip("/")
+        self.reply_deadline = reply_deadline
+        self.reply_max_bytes = reply_max_bytes
+        self.log = log or _say
+        self._said: set[str] = set()  # strays in the dump directory already said
         # The key: given, or read from api_key_file (re-read when the server refuses it).
         self.api_key_file = api_key_file
         self.api_key = api_key if api_key is not None else self._read_key() if api_key_file else None
@@ -132,6 +161,9 @@ class SGLangBackend:
         self._stale_at = 0.0
         if not os.path.isdir(dump_dir):
             raise SGLangError(f"dump directory {dump_dir} does not exist (the server's {hook.ENV_DIR})")
+        problem = hook.dump_dir_problem(dump_dir)
+        if problem is not None:
+            raise SGLangError(problem)
         self._client_lock = None if keep_dumps else dumps.client_lock(dump_dir)
         try:
             self.wait_healthy()
@@ -230,24 +262,31 @@ class SGLangBackend:
         ).encode()
         for fresh_key in (False, True):  # a refused key: read the file again, once
             used = self.api_key
-            req = urllib.request.Request(
-                self.url + "/generate",
-                data=body,
-                headers={"Content-Type": "application/json", **self._headers(used)},
-                method="POST",
-            )
             try:
-                with urllib.request.urlopen(req, timeout=self.request_timeout) as resp:
-                    status, data = resp.status, resp.read()
-                break
-            except urllib.error.HTTPError as exc:
-                detail = exc.read()[:300].decode(errors="replace")
-                if exc.code not in (401, 403):
-                    raise SGLangError(f"{sample_id}: /generate answered HTTP {exc.code}: {detail}") from None
-                if fresh_key or not self._reload_key(used):
-                    raise self._key_refused(f"{sample_id}: POST /generate", exc.code) from None
+                answer = reply.post(
+                    self.url + "/generate",
+                    body,
+                    {"Content-Type": "application/json", **self._headers(used)},
+                    read_timeout=self.request_timeout,
+                    deadline=self.reply_deadline,
+                    max_bytes=self.reply_max_bytes,
+                )
+            except reply.ReplyLimit as exc:
+                if exc.limit == "deadline":
+                    why = "the server is stuck or overloaded; check its log (limit: reply_deadline)"
+                else:
+                    why = f"no SGLang reply to one token is that long; check what answers at {self.url} (limit: reply_max_bytes)"
+                raise SGLangError(f"{sample_id}: {exc}: {why}") from None
             except (OSError, http.client.HTTPException) as exc:
                 raise _NoAnswer(f"{type(exc).__name__}: {exc}") from None
+            status, data = answer.status, answer.body
+            if 200 <= status < 300:
+                break
+            detail = data[:300].decode(errors="replace")
+            if status not in (401, 403):
+                raise SGLangError(f"{sample_id}: /generate answered HTTP {status}: {detail}")
+            if fresh_key or not self._reload_key(used):
+                raise self._key_refused(f"{sample_id}: POST /generate", status)
         try:
             return json.loads(data or b"{}")
         except ValueError:
@@ -313,10 +352,14 @@ class SGLangBackend:
             dump = dumps.wait_request(self.dump_dir, rid, len(ids), self.dump_timeout)
         except BaseException as exc:
             self._give_up(rid)
-            if isinstance(exc, dumps.DumpError) and not isinstance(exc, dumps.DumpWriteFailed):
+            if isinstance(exc, dumps.DumpIncomplete):
                 raise SGLangError(
                     f"{sample_id}: no complete dump after {self.dump_timeout:.0f}s: {exc} "
                     "(is the server patched, its hook active, and the dump dir the same?)"
+                ) from None
+            if isinstance(exc, dumps.DumpError) and not isinstance(exc, dumps.DumpWriteFailed):
+                raise SGLangError(
+                    f"{sample_id}: its dump was refused: {exc} (failed at once: a dump in place does not change)"
                 ) from None
             raise
         if not self.keep_dumps:
@@ -358,11 +401,25 @@ class SGLangBackend:
             if not force and now - self._stale_at < STALE_SWEEP_SECONDS:
                 return
             self._stale_at = now
-        for name in dumps.stale_names(self.dump_dir, self.rid_prefix):
+        strays: list[str] = []
+        try:
+            names = dumps.stale_names(self.dump_dir, self.rid_prefix, strays)
+        except OSError as exc:  # the directory unreadable: say so once, never fail a sample for it
+            names, strays = [], [f". (not listed: {exc.strerror})"]
+        for name in names:
             try:
                 os.unlink(os.path.join(self.dump_dir, name))
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                strays.append(f"{name} ({exc.strerror})")
+        for stray in strays:
+            if stray not in self._said:
+                self._said.add(stray)
+                self.log(
+                    f"{os.path.join(self.dump_dir, stray)}: left alone in the dump directory (named like "
+                    "a file of ours, but not one to remove); remove it by hand if nothing uses it"
+                )
 
     # ---------------------------------------------------------------- Backend
 

@@ -3,7 +3,13 @@
 A request's prompt may reach the model in several prefill pieces (chunked prefill); the hook writes
 one file per piece, `<rid>.<offset>.pt`. A request is complete when its pieces cover 0..L with no
 gap or overlap and all agree on layer ids, widths and dtype. Anything else is a DumpError naming the
-file and the problem, so a bad dump never becomes a shard.
+file and the problem, so a bad dump never becomes a shard. A dump that is not complete YET (no
+piece, a gap, fewer tokens than sent) is a DumpIncomplete, waited for; any other DumpError is final
+(the pieces are renamed into place whole, so a piece refused now stays refused) and fails the
+sample at once. A dump's bytes are read (pread) into memory the client owns, never mapped: a file
+that shrinks or a disk that fails under the read is a DumpError for that sample, not a SIGBUS.
+Every file here is someone else's: opened without following a link or waiting on a FIFO,
+required to be a regular file, read bounded.
 
 The server's reply does not wait for the dump (the hook writes from a thread; docs/sglang_hook.md
 says why): `wait_request` waits for the pieces' renames with inotify (no sleep-polling; one
@@ -29,7 +35,6 @@ from dataclasses import dataclass
 
 import torch
 
-from extraction.mapped_file import MappedFile
 from extraction.sglang import hook
 from extraction.sglang.hook import FAILED_SUFFIX, rid_stem
 
@@ -38,6 +43,10 @@ _KEYS = hook.DUMP_TENSORS  # a piece's tensors, in the file's order
 
 class DumpError(ValueError):
     """A dump is missing, incomplete or inconsistent."""
+
+
+class DumpIncomplete(DumpError):
+    """Not every piece of the request is in place yet (none, a gap, fewer tokens): wait for it."""
 
 
 class DumpWriteFailed(DumpError):
@@ -72,47 +81,76 @@ def failed_paths(directory: str, rid: str) -> list[str]:
 
 
 _MAX_HEADER = 1 << 16  # a dump's JSON header is ~400 bytes; anything past this is not ours
+_MARKER_READ = 300  # a marker holds one line, the reason; at most this much of it is read
 _STATE_DTYPES = {name: getattr(torch, name) for name in hook.DUMP_DTYPES}
 _IDS_DTYPES = {"int64": torch.int64}
 
 
-def _load(path: str, rid: str) -> dict:
-    """One piece, checked: a dict with the header's fields and the three tensors, each `n` rows.
-    Format 2 is mapped (extraction/mapped_file.py: its tensors are views of the file, which the
-    shard writer copies out with sendfile); format 1 (a hook deployed before 2026-12-05, in a
-    server not restarted since) is read with torch.load."""
+def _open_untrusted(path: str, what: str) -> tuple[int, os.stat_result]:
+    """`path` opened read-only without following a link and without waiting on a FIFO, and its
+    stat: DumpError naming it unless it is a regular file (the hook makes nothing else)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: no wait
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
-        raise DumpError(f"{path}: unreadable dump: {exc}") from None
+        if exc.errno == errno.ELOOP:
+            raise DumpError(f"{path}: unreadable {what}: {exc} (a symbolic link: refused)") from None
+        raise DumpError(f"{path}: unreadable {what}: {exc}") from None
     try:
         info = os.fstat(fd)
-        regular = stat.S_ISREG(info.st_mode)
-        head = os.pread(fd, hook.DUMP_HEAD.size, 0) if regular else b""
     except OSError as exc:
         os.close(fd)
-        raise DumpError(f"{path}: unreadable dump: {exc}") from None
-    if not regular:
+        raise DumpError(f"{path}: unreadable {what}: {exc}") from None
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
-        raise DumpError(f"{path}: not a regular file")
-    if head[:4] == b"PK\x03\x04":
+        raise DumpError(f"{path}: not a regular file, not a {what} the hook wrote")
+    return fd, info
+
+
+def _load(path: str, rid: str) -> dict:
+    """One piece, checked: a dict with the header's fields and the three tensors, each `n` rows;
+    DumpError naming the file for anything else. Format 2's tensors are read into memory of
+    ours (_read_tensors); format 1 (a hook deployed before 2026-12-05, in a server not restarted
+    since) is read with torch.load."""
+    fd, info = _open_untrusted(path, "dump")
+    try:
+        try:
+            head = os.pread(fd, hook.DUMP_HEAD.size, 0)
+        except OSError as exc:
+            raise DumpError(f"{path}: unreadable dump: {exc}") from None
+        v1 = head[:4] == b"PK\x03\x04"
+        record = _load_v1(path) if v1 else _load_v2(path, fd, head, info.st_size)
+    finally:
         os.close(fd)
-        record = _load_v1(path)
-    else:
-        record = _load_v2(path, fd, head, info.st_size)  # takes the fd
-    if record.get("rid") != rid:
-        raise DumpError(f"{path}: holds request {record.get('rid')!r}, expected {rid!r}")
-    n = int(record["input_ids"].shape[0])
-    for key in _KEYS:
-        t = record.get(key)
-        if not isinstance(t, torch.Tensor) or int(t.shape[0]) != n:
-            raise DumpError(f"{path}: {key} missing or not {n} rows")
+    try:
+        _check_record(path, record, rid, hook.FORMAT_V1 if v1 else hook.FORMAT)
+    except DumpError:
+        raise
+    except (LookupError, ValueError, TypeError, AttributeError, RuntimeError) as exc:
+        raise DumpError(f"{path}: malformed dump: {type(exc).__name__}: {exc}") from None
     return record
 
 
+def _check_record(path: str, record: dict, rid: str, fmt: str) -> None:
+    """The fields and tensors every piece in format `fmt` must have (what read_request and the
+    client use without further checks)."""
+    _check_fields(path, record, fmt)
+    if record["rid"] != rid:
+        raise DumpError(f"{path}: holds request {record['rid']!r}, expected {rid!r}")
+    ids = record.get("input_ids")
+    n = int(ids.shape[0]) if isinstance(ids, torch.Tensor) and ids.dim() == 1 else -1
+    for key, rank in zip(_KEYS, (1, 2, 2), strict=True):
+        t = record.get(key)
+        if not isinstance(t, torch.Tensor) or t.dim() != rank or int(t.shape[0]) != n:
+            raise DumpError(f"{path}: {key} missing or not {n} rows of rank {rank}")
+    if ids.dtype != torch.int64 or record["hidden_state"].dtype not in _STATE_DTYPES.values():
+        raise DumpError(
+            f"{path}: input_ids {ids.dtype} (int64 wanted), states {record['hidden_state'].dtype}"
+        )
+
+
 def _load_v1(path: str) -> dict:
-    try:
-        record = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:  # not mapped: a file that shrinks must not SIGBUS the client
+        record = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
     except Exception as exc:
         raise DumpError(f"{path}: unreadable dump: {exc}") from None
     if not isinstance(record, dict) or record.get("format") != hook.FORMAT_V1:
@@ -121,29 +159,48 @@ def _load_v1(path: str) -> dict:
 
 
 def _load_v2(path: str, fd: int, head: bytes, size: int) -> dict:
-    """A format 2 dump's header, checked against the file, and its tensors mapped. Owns `fd`."""
+    """A format 2 dump's header, checked against the file, and its tensors read."""
+    if len(head) != hook.DUMP_HEAD.size or head[:8] != hook.DUMP_MAGIC:
+        raise DumpError(f"{path}: not a {hook.FORMAT} dump (its first bytes are {head[:8]!r})")
+    _magic, length = hook.DUMP_HEAD.unpack(head)
+    if length > _MAX_HEADER or hook.DUMP_HEAD.size + length > size:
+        raise DumpError(f"{path}: header of {length} bytes in a file of {size}")
     try:
-        if len(head) != hook.DUMP_HEAD.size or head[:8] != hook.DUMP_MAGIC:
-            raise DumpError(f"{path}: not a {hook.FORMAT} dump (its first bytes are {head[:8]!r})")
-        _magic, length = hook.DUMP_HEAD.unpack(head)
-        if length > _MAX_HEADER or hook.DUMP_HEAD.size + length > size:
-            raise DumpError(f"{path}: header of {length} bytes in a file of {size}")
-        try:
-            meta = json.loads(os.pread(fd, length, hook.DUMP_HEAD.size))
-        except (OSError, ValueError) as exc:
-            raise DumpError(f"{path}: unreadable header: {exc}") from None
-        tensors = _tensor_specs(path, meta, hook.DUMP_HEAD.size + length, size)
-    except BaseException:
-        os.close(fd)
-        raise
-    try:
-        mapped = MappedFile(fd)  # owns fd from here, even when it raises
-    except OSError as exc:
-        raise DumpError(f"{path}: cannot map: {exc}") from None
+        meta = json.loads(os.pread(fd, length, hook.DUMP_HEAD.size))
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: a deeply nested header
+        raise DumpError(f"{path}: unreadable header: {exc}") from None
+    tensors = _tensor_specs(path, meta, hook.DUMP_HEAD.size + length, size)
     record = {key: meta[key] for key in _FIELDS}
-    for name, (dtype, shape, at) in tensors.items():
-        record[name] = mapped.tensor(dtype, shape, at)
+    record.update(_read_tensors(path, fd, tensors, size))
     return record
+
+
+def _read_tensors(path: str, fd: int, specs: dict, size: int) -> dict:
+    """The tensors `specs` ({name: (dtype, shape, at)}, laid out to the file's end) read with
+    pread into one buffer of ours, views of it. Never a mapping of the file: a dump that shrinks,
+    or a disk read error (the fallback /data/hsx/dumps), is a DumpError here, not a SIGBUS later."""
+    first = min(at for _dtype, _shape, at in specs.values())
+    total = size - first
+    buf = torch.empty(total, dtype=torch.uint8)
+    view = memoryview((ctypes.c_ubyte * total).from_address(buf.data_ptr())).cast("B") if total else None
+    done = 0
+    while done < total:
+        try:
+            got = os.preadv(fd, [view[done:]], first + done)
+        except OSError as exc:
+            raise DumpError(f"{path}: read error at byte {first + done}: {exc}") from None
+        if got == 0:
+            raise DumpError(
+                f"{path}: the file shrank to {first + done} bytes while being read ({size} when opened)"
+            )
+        done += got
+    out = {}
+    for name, (dtype, shape, at) in specs.items():
+        nbytes = torch.empty((), dtype=dtype).element_size()
+        for d in shape:
+            nbytes *= d
+        out[name] = buf[at - first : at - first + nbytes].view(dtype).view(shape)
+    return out
 
 
 _FIELDS = {
@@ -157,21 +214,26 @@ _FIELDS = {
 }
 
 
+def _check_fields(path: str, meta: object, fmt: str) -> None:
+    """The header fields (_FIELDS) of a piece in format `fmt`, each of its type."""
+    if not isinstance(meta, dict):
+        raise DumpError(f"{path}: the header is not an object")
+    for key, kind in _FIELDS.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise DumpError(f"{path}: header field {key!r} missing or not {kind.__name__}")
+    if meta["format"] != fmt:
+        raise DumpError(f"{path}: format {meta['format']!r}, expected {fmt}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in meta["layer_ids"]):
+        raise DumpError(f"{path}: layer_ids {meta['layer_ids']!r} are not all integers")
+
+
 def _tensor_specs(path: str, meta: object, start: int, size: int) -> dict:
     """{name: (dtype, shape, at)} from a format 2 header, every field checked: the tensors lie in
     order after the header, each at the first DUMP_ALIGN boundary after what precedes it (as
     write_dump lays them out), the file ending with the last; the two states of one dtype. A
     header that lies about a size is caught by the file's end (the aux state is last) or by the
     widths and ids the reader checks next."""
-    if not isinstance(meta, dict):
-        raise DumpError(f"{path}: the header is not an object")
-    for key, kind in _FIELDS.items():
-        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
-            raise DumpError(f"{path}: header field {key!r} missing or not {kind.__name__}")
-    if meta["format"] != hook.FORMAT:
-        raise DumpError(f"{path}: format {meta['format']!r}, expected {hook.FORMAT}")
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in meta["layer_ids"]):
-        raise DumpError(f"{path}: layer_ids {meta['layer_ids']!r} are not all integers")
+    _check_fields(path, meta, hook.FORMAT)
     entries = meta.get("tensors")
     if not isinstance(entries, dict) or sorted(entries) != sorted(hook.DUMP_TENSORS):
         raise DumpError(f"{path}: header tensors must be exactly {list(hook.DUMP_TENSORS)}")
@@ -204,17 +266,15 @@ def _tensor_specs(path: str, meta: object, start: int, size: int) -> dict:
 
 
 def read_request(directory: str, rid: str, expected_len: int | None = None) -> RequestDump:
-    """Join the pieces of one request; DumpError unless they cover 0..L exactly."""
+    """Join the pieces of one request; DumpError unless they cover 0..L exactly (DumpIncomplete:
+    not yet; DumpWriteFailed: the hook left a marker)."""
     for marker in failed_paths(directory, rid):
-        try:
-            with open(marker, encoding="utf-8", errors="replace") as f:
-                why = f.read(300).strip()
-        except OSError as exc:
-            why = f"(marker unreadable: {exc})"
-        raise DumpWriteFailed(f"{marker}: the server could not write this piece of request {rid!r}: {why}")
+        raise DumpWriteFailed(
+            f"{marker}: the server could not write this piece of request {rid!r}: {_marker_reason(marker)}"
+        )
     paths = piece_paths(directory, rid)
     if not paths:
-        raise DumpError(f"no dump for request {rid!r} in {directory}")
+        raise DumpIncomplete(f"no dump for request {rid!r} in {directory}")
     records = sorted(((_load(p, rid), p) for p in paths), key=lambda rp: int(rp[0]["offset"]))
     first, first_path = records[0]
     if int(first["offset"]) != 0:
@@ -227,8 +287,8 @@ def read_request(directory: str, rid: str, expected_len: int | None = None) -> R
         offset = int(record["offset"])
         n = int(record["input_ids"].shape[0])
         if offset != pos:
-            what = "gap" if offset > pos else "overlap"
-            raise DumpError(f"{path}: {what} in request {rid!r}: piece starts at {offset}, expected {pos}")
+            what, error = ("gap", DumpIncomplete) if offset > pos else ("overlap", DumpError)
+            raise error(f"{path}: {what} in request {rid!r}: piece starts at {offset}, expected {pos}")
         for key in ("layer_ids", "capture_owner", "sglang_version"):
             if record[key] != first[key]:
                 raise DumpError(
@@ -242,7 +302,8 @@ def read_request(directory: str, rid: str, expected_len: int | None = None) -> R
                 )
         pos = offset + n
     if expected_len is not None and pos != expected_len:
-        raise DumpError(f"request {rid!r}: dumps cover {pos} tokens, expected {expected_len}")
+        error = DumpIncomplete if pos < expected_len else DumpError
+        raise error(f"request {rid!r}: dumps cover {pos} tokens, expected {expected_len}")
     hidden = int(first["hidden_state"].shape[-1])
     if int(first["aux_hidden_state"].shape[-1]) != hidden * len(first["layer_ids"]):
         raise DumpError(f"{first_path}: aux width does not match {len(first['layer_ids'])} layers x {hidden}")
@@ -263,14 +324,29 @@ def read_request(directory: str, rid: str, expected_len: int | None = None) -> R
     )
 
 
+def _marker_reason(path: str) -> str:
+    """The reason a marker holds (its first _MARKER_READ bytes), opened as a dump is: a link, a
+    FIFO or anything but a regular file is a DumpError (not a marker the hook wrote)."""
+    fd, _info = _open_untrusted(path, "marker")
+    try:
+        data = os.pread(fd, _MARKER_READ, 0)
+    except OSError as exc:
+        return f"(marker unreadable: {exc})"
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", errors="replace").strip()
+
+
 def remove_request(directory: str, rid: str) -> int:
-    """Delete a request's pieces and failure markers (after it was read or abandoned); returns how many."""
+    """Delete a request's pieces and failure markers (after it was read or abandoned); returns how
+    many. An entry that cannot be removed (a directory named like a piece) is left: the read of
+    that request names it."""
     n = 0
     for path in piece_paths(directory, rid) + failed_paths(directory, rid):
         try:
             os.unlink(path)
             n += 1
-        except FileNotFoundError:
+        except OSError:
             pass
     return n
 
@@ -279,6 +355,7 @@ def remove_request(directory: str, rid: str) -> int:
 
 RID_PREFIX = "hsx-"  # every rid our client sends starts with it: "hsx-<client token>-<sample>-<attempt>"
 _TEMP = re.compile(r"\.(.+)\.(\d+)\.tmp")  # the hook's temp: .<dump or marker name>.<server pid>.tmp
+_PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT: a larger number is no process id
 
 
 def client_lock(directory: str) -> int | None:
@@ -309,27 +386,47 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def stale_names(directory: str, own_prefix: str) -> list[str]:
+def stale_names(directory: str, own_prefix: str, strays: list[str] | None = None) -> list[str]:
     """Files in `directory` that no live request will read, for the one client holding the lock:
     - dumps and `.failed` markers of requests our client sent (rid starting with RID_PREFIX) but
       not this client instance (`own_prefix`): a client killed before reading them (its late
       pieces land after it died, and are found by the next call);
     - the hook's temps (`.<name>.<pid>.tmp`) of one of our requests whose server process is gone
       (a server killed mid-write). A live server's temps are left alone: it renames them.
-    Files of other users of the server (rids without RID_PREFIX) are never touched."""
+    Files of other users of the server (rids without RID_PREFIX) are never touched. An entry
+    named like one of these that is not a regular file (a directory, a link, a FIFO) or a temp
+    whose pid is no process id is a stray: left alone, and appended to `strays` as
+    "name (why)" when given (the caller says so once; it never stops the sweep)."""
     found = []
     try:
-        names = os.listdir(directory)
+        with os.scandir(directory) as it:
+            entries = list(it)
     except FileNotFoundError:
         return []
-    for name in names:
+    for entry in entries:
+        name, why = entry.name, None
         temp = _TEMP.fullmatch(name)
         if temp is not None:
-            if temp.group(1).startswith(RID_PREFIX) and not _alive(int(temp.group(2))):
-                found.append(name)
-        elif name.startswith(RID_PREFIX) and not name.startswith(own_prefix):
-            if name.endswith((".pt", FAILED_SUFFIX)):
-                found.append(name)
+            if not temp.group(1).startswith(RID_PREFIX):
+                continue
+            pid = int(temp.group(2))
+            if not 0 < pid <= _PID_MAX:
+                why = f"pid {temp.group(2)} is no process id"
+            elif _alive(pid):
+                continue
+        elif not (name.startswith(RID_PREFIX) and not name.startswith(own_prefix)):
+            continue
+        elif not name.endswith((".pt", FAILED_SUFFIX)):
+            continue
+        try:
+            if why is None and not entry.is_file(follow_symlinks=False):
+                why = "not a regular file"
+        except OSError as exc:
+            why = str(exc)
+        if why is None:
+            found.append(name)
+        elif strays is not None:
+            strays.append(f"{name} ({why})")
     return sorted(found)
 
 
@@ -419,7 +516,9 @@ class _DirWatch:
 def wait_request(directory: str, rid: str, expected_len: int, timeout: float) -> RequestDump:
     """read_request once the pieces covering 0..expected_len are in place (the hook renames each
     piece into place when it is complete). Woken by inotify on renames of this request's names;
-    DumpError at once for a `.failed` marker, or after `timeout` seconds with the last problem."""
+    DumpWriteFailed at once for a `.failed` marker, DumpError at once for a piece the reader
+    refuses (it was renamed into place whole: it will not change), DumpIncomplete after `timeout`
+    seconds of pieces missing, with the last problem."""
     prefix = rid_stem(rid) + "."
     deadline = time.monotonic() + timeout
     pause = 0.005
@@ -428,12 +527,10 @@ def wait_request(directory: str, rid: str, expected_len: int, timeout: float) ->
         while True:
             try:
                 return read_request(directory, rid, expected_len=expected_len)
-            except DumpWriteFailed:
-                raise
-            except DumpError as exc:
+            except DumpIncomplete as exc:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise DumpError(f"{exc} (waited {timeout:g}s)") from None
+                    raise DumpIncomplete(f"{exc} (waited {timeout:g}s)") from None
             if watch.ok:
                 watch.wait(prefix, left)
             else:  # no inotify here: poll, backing off to 0.2 s

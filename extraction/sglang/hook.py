@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -58,6 +59,9 @@ DEFAULT_BUDGET_MB = 4096
 EXIT_DRAIN_SECONDS = 60.0
 STALL_LOG_SECONDS = 60.0  # a back-pressure wait this long is logged (and again every as long)
 FAILED_SUFFIX = ".failed"
+MARKER_MODE = 0o640  # a failure marker: the server account writes it, its group (the job) reads it
+# A file of ours, created here or not at all: never through a link, never an existing FIFO.
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 PREFILL_MODES = ("EXTEND", "MIXED")
 OWNER_HOOK = "hook"
 OWNER_SGLANG = "sglang"  # EAGLE-3/DFlash set layers_to_capture; we pass through
@@ -65,7 +69,7 @@ OWNER_SGLANG = "sglang"  # EAGLE-3/DFlash set layers_to_capture; we pass through
 log = logging.getLogger("hsx_dump_hook")
 _logged: set[str] = set()
 _lock = threading.Lock()
-_SAFE_RID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_SAFE_RID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # fullmatch: "$" would let a trailing newline in
 
 
 def _log_once(key: str, msg: str, *args: Any, exc_info: bool = False) -> None:
@@ -78,7 +82,7 @@ def _log_once(key: str, msg: str, *args: Any, exc_info: bool = False) -> None:
 
 def rid_stem(rid: str) -> str:
     """File-name-safe form of a request id (the reader uses the same function)."""
-    if _SAFE_RID.match(rid) and not rid.startswith("."):
+    if _SAFE_RID.fullmatch(rid) and not rid.startswith("."):
         return rid
     import hashlib
 
@@ -177,6 +181,10 @@ def attach(model: Any, environ: dict[str, str] | None = None) -> DumpHook | None
         layer_ids = parse_layer_ids(text, num_layers) if text else default_layer_ids(num_layers)
         budget = parse_budget(env.get(ENV_BUDGET, "") or str(DEFAULT_BUDGET_MB))
         os.makedirs(directory, exist_ok=True)
+        problem = dump_dir_problem(directory)
+        if problem is not None:
+            _log_once("attach-dir", "not attached, SGLang runs unpatched: %s", problem)
+            return None
         hook = DumpHook(model, directory, layer_ids, budget_bytes=budget)
         log.info(
             "hsx dump hook: dumping prefill states of layers %s to %s (budget %.0f MiB)",
@@ -188,6 +196,61 @@ def attach(model: Any, environ: dict[str, str] | None = None) -> DumpHook | None
     except Exception:
         _log_once("attach", "not attached, SGLang runs unpatched", exc_info=True)
         return None
+
+
+def dump_dir_problem(directory: str, st: os.stat_result | None = None) -> str | None:
+    """Why `directory` (or the directory whose stat is `st`) must not hold dumps, or None.
+
+    The rule (the server's hook and the client apply the same): a directory that nobody but its
+    owner and a trusted group can write. Refused: writable by others (S_IWOTH; a sticky bit does
+    not help: others could still create the names we are about to use), and group-writable unless
+    its group is the owner's own primary group or this process's effective group (the account the
+    server or the job runs as). Anyone else who can write there could plant the files the server
+    renames into place and the client reads and removes, possibly as root. The directory itself
+    may be reached through a link (the operator's path); what it holds is judged, not the path."""
+    try:
+        st = os.stat(directory) if st is None else st
+    except OSError as exc:
+        return f"dump directory {directory} cannot be checked: {exc}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"dump directory {directory} is not a directory"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH:
+        who = "every user"
+    elif mode & stat.S_IWGRP and st.st_gid not in _trusted_groups(st.st_uid):
+        who = f"group {_name(st.st_gid, group=True)}"
+    else:
+        return None
+    return (
+        f"dump directory {directory} is writable by {who} (owner {_name(st.st_uid)}, group "
+        f"{_name(st.st_gid, group=True)}, mode {mode:04o}): anyone there could plant files the server "
+        f"and the client would use; make it the server account's own (chmod go-w {directory}, as "
+        "roles/hsx makes /run/hsx-dumps: 0750) or use another dump directory"
+    )
+
+
+def _trusted_groups(owner: int) -> set[int]:
+    """The groups whose write access to a dump directory is accepted (dump_dir_problem)."""
+    groups = {os.getegid()}
+    try:
+        import pwd
+
+        groups.add(pwd.getpwuid(owner).pw_gid)
+    except (ImportError, KeyError):
+        pass
+    return groups
+
+
+def _name(ident: int, group: bool = False) -> str:
+    """A user or group id as 'name (id)', or the bare id where it has no name."""
+    try:
+        import grp
+        import pwd
+
+        name = grp.getgrgid(ident).gr_name if group else pwd.getpwuid(ident).pw_name
+    except (ImportError, KeyError):
+        return str(ident)
+    return f"{name} ({ident})"
 
 
 def pack_aux(aux: Any) -> Any:
@@ -538,8 +601,8 @@ class DumpHook:
         log.warning("hsx dump hook: dump %s not written: %s: %s", name, type(exc).__name__, exc)
         _log_once(f"write:{type(exc).__name__}", "first write failure of this kind", exc_info=True)
 
-        def save(tmp: str) -> None:
-            with open(tmp, "w", encoding="utf-8") as f:
+        def save(tmp: str) -> None:  # created as a dump is: exclusively, never through a link
+            with os.fdopen(os.open(tmp, _NEW_FILE, MARKER_MODE), "w", encoding="utf-8") as f:
                 f.write(f"{type(exc).__name__}: {exc}\n")
 
         try:
@@ -548,11 +611,16 @@ class DumpHook:
             pass  # no marker either: the client times out and asks again
 
     def _place(self, name: str, save: Any) -> None:
-        """save(a temp name), then rename it to `name`: the file appears whole or not at all."""
+        """save(a temp name), then rename it to `name`: the file appears whole or not at all.
+        `save` creates the temp exclusively without following a link (_NEW_FILE): an entry planted
+        at the temp's name fails it (FileExistsError) and is left alone. rename(2) follows no link
+        either: a link at `name` is replaced, never written through."""
         tmp = os.path.join(self.directory, f".{name}.{os.getpid()}.tmp")
         try:
             save(tmp)
             os.replace(tmp, os.path.join(self.directory, name))
+        except FileExistsError:
+            raise  # not our temp: nothing of ours to remove
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -630,7 +698,7 @@ def write_dump(path: str, header: dict[str, Any], tensors: tuple[Any, Any, list[
         segments.append((ctypes.addressof(zeros), offsets[2] - pos))
     # The table points into head, zeros and the tensors: all held here until the writes are done.
     iov = torch.cat([torch.tensor(segments, dtype=torch.int64).view(-1, 2), _aux_iovecs(parts, rows)])
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    fd = os.open(path, _NEW_FILE, 0o666)
     try:
         _writev_table(fd, iov)
     finally:
