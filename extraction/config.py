@@ -184,7 +184,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file with any of these options (the command line wins)")
     for f in fields(ExtractConfig):
         flag = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"default": None, "help": _HELP.get(f.name), "dest": f.name}
+        text = _HELP.get(f.name)
+        if text and f.default is not None and "(default" not in text:  # argparse's default is None (see above)
+            text += f" (default: {f.default})".replace("%", "%%")
+        kwargs: dict[str, Any] = {"default": None, "help": text, "dest": f.name}
         if f.name in _CONVERTERS:
             kwargs["type"] = _CONVERTERS[f.name]
         if f.name == "backend":
