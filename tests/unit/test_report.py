@@ -89,7 +89,15 @@ def test_samples_before_says_when_the_running_process_is_gone(alive, shown):
 
 def test_not_a_report_dir_is_a_usage_error(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
-    assert "not a recovery report directory" in capsys.readouterr().out
+    assert "not a recovery report directory" in capsys.readouterr().err
+
+
+def test_a_missing_report_dir_says_it_is_missing(tmp_path, capsys):
+    missing = tmp_path / "reports" / "2026-01-01T00-00"
+    assert main(["report", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"hsx report: {missing}: no such directory" in err and "reports/<timestamp>" in err
+    assert not missing.exists()
 
 
 @pytest.mark.parametrize("host", ["node-1"])
