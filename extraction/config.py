@@ -143,7 +143,8 @@ _CONVERTERS: dict[str, Any] = {
 _HELP = {
     "model": "model directory (config, weights, tokenizer with chat template)",
     "dataset": "JSONL conversations (ShareGPT or OpenAI shape)",
-    "output": "output directory (run.json, index.jsonl, shards/, status.json, errors.jsonl)",
+    "output": "output directory (run.json, index.jsonl, shards/, status.json, errors.jsonl); made if absent, "
+    "but its parent must exist",
     "backend": "hf (in-process transformers) or sglang (patched server)",
     "server_url": "SGLang server URL (sglang backend)",
     "dump_dir": "directory the patched SGLang server dumps into (sglang backend; default $HSX_DUMP_DIR, "
