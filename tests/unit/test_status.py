@@ -102,3 +102,25 @@ def test_exit_codes_are_in_the_help() -> None:
     for code, _when, _meaning in STATUS_EXIT_CODES:
         assert f"{code} " in text
     assert "75 paused" in text and "3 crashed" in text
+
+
+def test_status_follows_a_quarantine(tmp_path: Path, capsys) -> None:
+    """`hsx verify --quarantine` marks bad and missing shards not done: `hsx status` says so after,
+    not the old "done 3/3"."""
+    from shard_helpers import make_run
+
+    out = tmp_path / "out"
+    writer, entries = make_run(out, n=3)
+    writer.close()
+    _status(out, 3, 3, state="done", pid=_dead_pid())
+    (out / entries[0].path).write_bytes(b"not a shard")  # bad: quarantined
+    (out / entries[1].path).unlink()  # missing
+    assert main(["verify", str(out), "--quarantine"]) == EXIT_FAILED
+    capsys.readouterr()
+    assert main(["status", str(out)]) == EXIT_FAILED
+    text = capsys.readouterr().out
+    assert "done 1/3" in text, text
+    assert "failed - hsx verify --quarantine marked 2 sample(s) not done" in text
+    assert "run hsx extract again to redo them" in text
+    assert main(["verify", str(out), "--quarantine"]) == EXIT_OK  # nothing more to mark: unchanged
+    assert read_status(str(out))["done"] == 1
