@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 
-from extraction.cli import main
+from extraction.cli import build_parser, main
+from extraction.fleet.playbook import run_playbook
 from extraction.report import build, host_report, stage_of_task, summary_markdown
 
 RECOVERED = {
@@ -108,3 +110,20 @@ def test_report_json_has_the_documented_shape(tmp_path, host):
     data = json.loads((tmp_path / f"{host}.json").read_text())
     assert {"host", "ok", "checks", "before", "after"} <= data.keys()
     assert all({"name", "ok", "detail"} == set(c) for c in data["checks"])
+
+
+def test_recover_against_an_unreachable_host_still_writes_summary_md(tmp_path):
+    """README: every recovery writes reports/<timestamp>/summary.md; a host nobody can reach (a
+    closed port on this machine: refused at once, no traffic beyond localhost) is in it."""
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(json.dumps({"all": {"hosts": {"gone-1": {
+        "ansible_host": "127.0.0.1", "ansible_port": 1, "ansible_user": "root",
+        "ansible_ssh_common_args": "-o ConnectTimeout=2"}}}}))
+    reports = tmp_path / "reports"
+    args = build_parser().parse_args(["recover", "-i", str(inventory), "--report-dir", str(reports)])
+    shown = io.StringIO()
+    assert run_playbook(args, "recover.yml", "recover", out=shown) == 1
+    (summary,) = reports.glob("*/summary.md")
+    text = summary.read_text()
+    assert "0 of 1 hosts ok." in text and "gone-1" in text and "unreachable" in text, text
+    assert f"Report: {summary.parent}" in shown.getvalue()
