@@ -2,7 +2,8 @@
 
 Every parser (the top one and each subcommand's) takes whole flags only (`--batch` is not
 `--batch-size`) and shows each option's default in --help (HelpFormatter). A reader that goes
-away (`hsx status OUT | head`) ends any subcommand quietly, with 141 as a SIGPIPE would.
+away (`hsx status OUT | head`) ends any subcommand quietly, with 141 as a SIGPIPE would; Ctrl-C
+outside a run's own handler with one line and 130: no traceback for ordinary use.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from typing import Any
 
 from extraction import __version__, commands
-from hsx.exitcodes import EXIT_USAGE
+from hsx.exitcodes import EXIT_SIGINT, EXIT_USAGE
 
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell's pipefail sees from a command killed by SIGPIPE
 
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:  # outside `hsx extract`'s run, whose own handler stops it cleanly
+        print(f"hsx {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_SIGINT
     return code
 
 

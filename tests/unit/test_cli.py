@@ -9,7 +9,7 @@ import pytest
 
 from extraction import __version__
 from extraction.cli import build_parser, main
-from hsx.exitcodes import EXIT_USAGE
+from hsx.exitcodes import EXIT_SIGINT, EXIT_USAGE
 
 
 def test_version_is_printed(capsys):
@@ -77,3 +77,16 @@ def test_broken_pipe_ends_quietly(tmp_path):
     )
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
     assert proc.returncode == 141  # 128 + SIGPIPE: what `set -o pipefail` sees from any command
+
+
+def test_ctrl_c_outside_a_run_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """Ctrl-C while a command reads (hsx verify of a big output, a resume's check of its shards
+    before the run's own handler is in place) ends with one line and 130."""
+    from extraction.commands import status as status_command
+
+    def interrupted(_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(status_command, "run", interrupted)
+    assert main(["status", "somewhere"]) == EXIT_SIGINT
+    assert capsys.readouterr().err == "hsx status: interrupted (Ctrl-C)\n"
