@@ -154,6 +154,8 @@ class Runner:
         handlers = life.install_signals()
         reporter.set_state("starting", "loading the model")
         reporter.write()
+        left = reporter.total - reporter.done
+        self.log(f"starting: {left} of {reporter.total} samples to do; loading the model ({cfg.backend} backend)")
         status_thread = None
         if cpu_forward_threads(cfg, self.writer_threads) is not None:
             heap.keep_freed_memory()  # before the forks: the helpers keep theirs too

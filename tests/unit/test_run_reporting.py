@@ -70,6 +70,7 @@ def test_a_run_outside_a_terminal_prints_progress_and_a_closing_summary(
     logs: list[str] = []
     cfg = make_cfg(tiny_model_dir, ds, tmp_path / "out", progress="lines")
     assert run(cfg, backend, logs) == EXIT_OK
+    assert "starting: 3 of 3 samples to do; loading the model (hf backend)" in logs
     assert any(m.startswith("progress: 0/3 (0.0%) samples") for m in logs), logs
     assert logs[-1] == "summary: done 3/3 samples (3 written this run, 0 already there), 0 failed, 0 rows skipped; exit 0"
 
