@@ -1,22 +1,54 @@
-"""The `hsx` command line: discovers subcommands in `extraction.commands`."""
+"""The `hsx` command line: discovers subcommands in `extraction.commands`.
+
+Every parser (the top one and each subcommand's) takes whole flags only (`--batch` is not
+`--batch-size`) and shows each option's default in --help (HelpFormatter). A reader that goes
+away (`hsx status OUT | head`) ends any subcommand quietly, with 141 as a SIGPIPE would; Ctrl-C
+outside a run's own handler with one line and 130: no traceback for ordinary use.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
+import signal
 import sys
+from typing import Any
 
 from extraction import __version__, commands
-from hsx.exitcodes import EXIT_USAGE
+from hsx.exitcodes import EXIT_SIGINT, EXIT_USAGE
+
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell's pipefail sees from a command killed by SIGPIPE
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to an option's help unless the help already has a "(default ...)" or
+    there is none to show (None, False, []: a flag that is off, nothing given, or a value
+    derived at run time)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        nothing = d is None or d is False or d == [] or d == argparse.SUPPRESS  # 0 is a default to show
+        if "(default" in text or nothing or not action.option_strings:
+            return text
+        return super()._get_help_string(action) or text
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser without abbreviations and with defaults in --help (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hsx", description="Crash-safe hidden-state extraction and its recovery tools."
-    )
+    parser = Parser(prog="hsx", description="Crash-safe hidden-state extraction and its recovery tools.")
     parser.add_argument("--version", action="version", version=f"hsx {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{commands.__name__}.{info.name}")
         module.register(subparsers)
@@ -29,7 +61,26 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is seen while it can be handled
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:  # outside `hsx extract`'s run, whose own handler stops it cleanly
+        print(f"hsx {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_SIGINT
+    return code
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter's flush at exit must not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real stdout (tests capture it): nothing to flush
+        pass
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ class ExtractConfig:
     limit: int | None = None
     status_interval: float = 3.0
     metrics_textfile_dir: str | None = None  # node_exporter's textfile directory (extraction/runner/metrics.py)
-    progress: str = "auto"  # auto | on | off (tqdm bar; auto = only on a terminal)
+    progress: str = "auto"  # auto | on | lines | off (extraction/runner/progress.py)
+    progress_interval: float = 60.0  # seconds between progress lines in a log (progress.py)
 
     def check(self) -> None:
         missing = [n for n in ("model", "dataset", "output") if not getattr(self, n)]
@@ -120,8 +121,10 @@ class ExtractConfig:
             raise ConfigError(f"--publisher must be one of {', '.join(PUBLISHERS)}, got {self.publisher!r}")
         if self.metrics_textfile_dir is not None and not os.path.isabs(self.metrics_textfile_dir):
             raise ConfigError(f"--metrics-textfile-dir must be an absolute path, got {self.metrics_textfile_dir!r}")
-        if self.progress not in ("auto", "on", "off"):
-            raise ConfigError(f"--progress must be auto, on or off, got {self.progress!r}")
+        if self.progress not in ("auto", "on", "lines", "off"):
+            raise ConfigError(f"--progress must be auto, on, lines or off, got {self.progress!r}")
+        if not self.progress_interval >= 0:
+            raise ConfigError(f"--progress-interval must be >= 0 seconds, got {self.progress_interval}")
 
 
 _CONVERTERS: dict[str, Any] = {
@@ -138,12 +141,14 @@ _CONVERTERS: dict[str, Any] = {
     "num_shards": int,
     "limit": int,
     "status_interval": float,
+    "progress_interval": float,
 }
 
 _HELP = {
     "model": "model directory (config, weights, tokenizer with chat template)",
     "dataset": "JSONL conversations (ShareGPT or OpenAI shape)",
-    "output": "output directory (run.json, index.jsonl, shards/, status.json, errors.jsonl)",
+    "output": "output directory (run.json, index.jsonl, shards/, status.json, errors.jsonl); made if absent, "
+    "but its parent must exist",
     "backend": "hf (in-process transformers) or sglang (patched server)",
     "server_url": "SGLang server URL (sglang backend)",
     "dump_dir": "directory the patched SGLang server dumps into (sglang backend; default $HSX_DUMP_DIR, "
@@ -175,7 +180,11 @@ _HELP = {
     "status_interval": "seconds between status.json updates",
     "metrics_textfile_dir": "node_exporter's textfile directory (Debian: /var/lib/prometheus/node-exporter): "
     "the run's metrics go there too, as hsx-<key>.prom, beside OUTPUT/metrics.prom",
-    "progress": "tqdm bar: auto (on a terminal), on, off",
+    "progress": "auto: a tqdm bar on a terminal, else one progress line every --progress-interval seconds "
+    "(a systemd journal, a log file); on: the bar; lines: the lines; off: neither (the closing summary "
+    "is always printed)",
+    "progress_interval": "seconds between progress lines when they are printed (--progress auto off a "
+    "terminal, or lines); 0: only the first line and the closing summary",
 }
 
 
@@ -184,7 +193,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file with any of these options (the command line wins)")
     for f in fields(ExtractConfig):
         flag = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"default": None, "help": _HELP.get(f.name), "dest": f.name}
+        text = _HELP.get(f.name)
+        if text and f.default is not None and "(default" not in text:  # argparse's default is None (see above)
+            text += f" (default: {f.default})".replace("%", "%%")
+        kwargs: dict[str, Any] = {"default": None, "help": text, "dest": f.name}
         if f.name in _CONVERTERS:
             kwargs["type"] = _CONVERTERS[f.name]
         if f.name == "backend":

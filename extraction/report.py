@@ -330,6 +330,11 @@ def build(report_dir: str | os.PathLike, title: str = "Recovery report") -> tupl
     (0600, redacted: docs/security.md)."""
     root = Path(report_dir)
     facts_dir = root / FACTS_DIR
+    if not root.is_dir():
+        what = "not a directory" if root.exists() else "no such directory"
+        raise FileNotFoundError(
+            f"{root}: {what}: give the reports/<timestamp> directory a recovery wrote (ls reports/)"
+        )
     if not facts_dir.is_dir() and not (root / HOSTS_FILE).is_file():
         raise FileNotFoundError(
             f"{root} holds no {FACTS_DIR}/ or {HOSTS_FILE}: not a recovery report directory"

@@ -31,6 +31,10 @@ options:
     level:
         description:
             - How deep to check. V(deep) needs torch and the C(hsx-extraction) package on the host.
+            - The default here is V(full), unlike C(hsx verify), whose default is V(quick). This module
+              runs unattended after a crash, where a torn or damaged write is likely and reading every
+              byte for its CRC32 is worth the time; C(hsx verify) is run by people, and V(quick) is what a
+              resume trusts.
         type: str
         choices: [ quick, full, deep ]
         default: full

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from extraction.report import build
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
@@ -20,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         reports, summary = build(args.report_dir, args.title)
     except (OSError, ValueError) as exc:
-        print(f"hsx report: {exc}")
+        print(f"hsx report: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if not args.quiet:
         print(summary.read_text(), end="")

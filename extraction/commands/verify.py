@@ -23,7 +23,14 @@ def register(subparsers: Any) -> None:
         ),
     )
     p.add_argument("output", help="the run's output directory (holds run.json)")
-    p.add_argument("--level", choices=LEVELS, default="quick")
+    p.add_argument(
+        "--level",
+        choices=LEVELS,
+        default="quick",
+        help="how deep to check; quick is the default here (seconds, what a resume trusts), while "
+        "recover.yml's shard_verify module defaults to full (unattended after a crash, where every "
+        "byte's CRC is worth the read): pass --level full to check as a recovery does",
+    )
     p.add_argument(
         "--quarantine",
         action="store_true",
@@ -35,7 +42,7 @@ def register(subparsers: Any) -> None:
         "--workers",
         type=int,
         default=default_workers(),
-        help="parallel workers (default: cores - 1, at most 16)",
+        help="parallel workers (default: cores - 1, at most 16; here %(default)s)",
     )
     p.add_argument(
         "--orphan-age",

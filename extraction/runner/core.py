@@ -37,6 +37,7 @@ from extraction.runner.lifecycle import Lifecycle, RunError
 from extraction.runner.metrics import MetricsReporter, run_info
 from extraction.runner.plan import node_samples, plan_windows
 from extraction.runner.produce import Producer, tokenize_ahead_batches
+from extraction.runner.progress import closing_line
 from extraction.runner.publish import default_writer_threads, make_publisher
 from extraction.runner.resume import ITEMSIZE, load_inputs, open_output, verified_done
 from extraction.runner.stream import Stream, streams
@@ -141,10 +142,20 @@ class Runner:
         except RunError as e:
             self.log(str(e))
             return e.code
+        code = None
+        try:
+            code = self._extract()
+            return code
+        finally:  # every exit of a started run ends in one summary line (progress.closing_line)
+            self.log(closing_line(self.reporter, code, self.cfg.output))
+
+    def _extract(self) -> int:
         cfg, life, reporter, tm = self.cfg, self.life, self.reporter, self.timings
         handlers = life.install_signals()
         reporter.set_state("starting", "loading the model")
         reporter.write()
+        left = reporter.total - reporter.done
+        self.log(f"starting: {left} of {reporter.total} samples to do; loading the model ({cfg.backend} backend)")
         status_thread = None
         if cpu_forward_threads(cfg, self.writer_threads) is not None:
             heap.keep_freed_memory()  # before the forks: the helpers keep theirs too
@@ -190,9 +201,10 @@ class Runner:
             check_backend(self.backend, self.manifest, cfg)
             reporter.set_state("running")
             reporter.write()
-            status_thread = StatusThread(reporter, cfg.status_interval, life.refresh_free)
+            lines = life.open_bar()
+            tick = life.refresh_free if lines is None else lambda: (life.refresh_free(), lines.tick())
+            status_thread = StatusThread(reporter, cfg.status_interval, tick)
             status_thread.start()
-            life.open_bar()
             with forward_threads(cfg, self.writer_threads, self.log, tm):
                 self._pipeline(Forward(self.backend, cfg, life, self.publisher))
         except RunError as e:

@@ -1,5 +1,5 @@
 """Lifecycle: the run's state and its bookkeeping: signals, the pause, the abort, errors.jsonl,
-status.json's counters, the progress bar and the exit status.
+status.json's counters, the progress bar or lines (progress.py) and the exit status.
 
 Contract:
 - One Lifecycle per run, shared by every stage; it is the Ledger a Publisher reports into
@@ -31,6 +31,7 @@ from extraction.backends.base import Sample
 from extraction.config import ExtractConfig
 from extraction.diskguard import DiskGuard, DiskLow
 from extraction.publisher import Outcome, Work
+from extraction.runner.progress import ProgressLines, progress_mode
 from extraction.shards import DiskFullError
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_PAUSED, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE
 from hsx.fsutil import LinkRefused, nofollow_opener
@@ -198,11 +199,16 @@ class Lifecycle:
         with self.reporter.lock:
             self.reporter.reserve_bytes = self.guard.reserve
 
-    def open_bar(self) -> None:
-        """The tqdm bar, per --progress (auto: on a terminal)."""
-        want = self.cfg.progress
-        if want == "off" or (want == "auto" and not sys.stderr.isatty()):
-            return
+    def open_bar(self) -> ProgressLines | None:
+        """The tqdm bar, or the progress lines (returned, started: the status thread ticks them),
+        per --progress (extraction/runner/progress.py)."""
+        mode = progress_mode(self.cfg.progress, sys.stderr.isatty())
+        if mode == "lines":
+            lines = ProgressLines(self.reporter, self.log, self.cfg.progress_interval)
+            lines.start()
+            return lines
+        if mode == "off":
+            return None
         from tqdm import tqdm
 
         self.bar = tqdm(
@@ -212,6 +218,7 @@ class Lifecycle:
             dynamic_ncols=True,
             smoothing=0.1,
         )
+        return None
 
     def bar_postfix(self) -> None:
         snap = self.reporter.snapshot_rates()
@@ -252,5 +259,4 @@ class Lifecycle:
             self.log(msg)
             return EXIT_FAILED
         r.set_state("done", f"{r.written} written, {r.skipped_existing} already there")
-        self.log(f"done: {r.done}/{r.total} samples ({r.written} written this run)")
-        return EXIT_OK
+        return EXIT_OK  # the runner's closing line (progress.closing_line) says it

@@ -45,7 +45,7 @@ _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 
 def textfile_key(output_dir: str) -> str:
     """The per-output name part of the textfile: 12 hex of the output's absolute path."""
-    return hashlib.sha256(os.path.abspath(output_dir).encode()).hexdigest()[:12]
+    return hashlib.sha256(os.fsencode(os.path.abspath(output_dir))).hexdigest()[:12]
 
 
 def textfile_name(output_dir: str) -> str:
@@ -53,8 +53,17 @@ def textfile_name(output_dir: str) -> str:
 
 
 def run_id(output_dir: str, created_at: str) -> str:
-    """A run's id: the output directory and its run.json's creation time (resumes keep it)."""
-    return hashlib.sha256(f"{os.path.abspath(output_dir)}\0{created_at}".encode()).hexdigest()[:12]
+    """A run's id: the output directory and its run.json's creation time (resumes keep it). The
+    path's own bytes are hashed (os.fsencode): a path need not be UTF-8 (same id for one that is)."""
+    raw = os.fsencode(os.path.abspath(output_dir)) + b"\0" + created_at.encode("utf-8", "surrogateescape")
+    return hashlib.sha256(raw).hexdigest()[:12]
+
+
+def label_text(value: Any) -> str:
+    """A label's value as UTF-8 text: a path's bytes that are not UTF-8 as \\xNN escapes (a
+    path is bytes; Prometheus text is UTF-8), anything else as str() gives it."""
+    raw = os.fsencode(value) if isinstance(value, str) else str(value).encode("utf-8", "surrogateescape")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 def run_info(cfg: Any, manifest: Any) -> dict[str, str]:
@@ -78,7 +87,7 @@ class _Snapshot(Collector):
         self.status, self.info, self.extra = status, info, extra
 
     def collect(self) -> Iterator[Metric]:
-        s, out = self.status, {"output": str(self.status.get("output", ""))}
+        s, out = self.status, {"output": label_text(self.status.get("output", ""))}
 
         def gauge(name: str, doc: str, value: Any) -> Iterator[Metric]:
             if isinstance(value, int | float) and not isinstance(value, bool):
@@ -93,7 +102,7 @@ class _Snapshot(Collector):
 
         info = InfoMetricFamily("hsx_run", "The run: model, layers, dtype, run id, shard index and count, textfile name.",
                                 labels=["output"])
-        info.add_metric([out["output"]], self.info)
+        info.add_metric([out["output"]], {k: label_text(v) for k, v in self.info.items()})
         yield info
         state = GaugeMetricFamily("hsx_state", "The run's state (status.json's): 1 for the current one.",
                                   labels=["output", "state"])

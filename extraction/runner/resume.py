@@ -152,13 +152,28 @@ def check_extra(output: str, manifest: RunManifest) -> None:
         )
 
 
+def make_output_dir(output: str) -> None:
+    """The output directory, made if absent; its parent must exist (RunError otherwise): a
+    mistyped --output (/dtaa/run) is a typo to fix, not a tree to make."""
+    try:
+        os.mkdir(output, 0o777)
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(output))
+        raise RunError(
+            f"--output {output}: its parent directory {parent} does not exist; check the path for a typo, "
+            "or create the parent first (hsx makes only the output directory itself)"
+        ) from None
+
+
 def open_output(
     output: str, manifest: RunManifest, lock: OutputLock, log: Callable[[str], None]
 ) -> ShardWriter:
     """Lock the output, open its shard writer (run.json checked or written), end a torn index
     line, remove orphan temps (see the module's contract)."""
     try:
-        os.makedirs(output, exist_ok=True)
+        make_output_dir(output)
         unlocked = lock.acquire()  # before anything here writes to the output or removes from it
         if unlocked:
             log(unlocked)

@@ -145,3 +145,19 @@ def test_an_unwritable_textfile_dir_is_logged_once_and_the_run_goes_on(
 def test_the_textfile_dir_must_be_absolute(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--metrics-textfile-dir must be an absolute path"):
         make_cfg(tiny_model_dir, tmp_path / "d.jsonl", tmp_path / "o", metrics_textfile_dir="relative/dir")
+
+
+def test_an_output_path_that_is_not_utf8_is_measured_like_any_other(
+    tiny_model_dir: Path, backend: SharedBackend, tmp_path: Path
+) -> None:
+    """A path is bytes: one byte that is not UTF-8 (0xff) once raised UnicodeEncodeError in
+    run_id at every start; writing metrics never fails the run."""
+    ds = write_tiny_dataset(tmp_path / "d.jsonl", 2, seed=6)
+    textfiles = tmp_path / "textfile"
+    textfiles.mkdir()
+    out = tmp_path / os.fsdecode(b"out-\xff")
+    cfg = make_cfg(tiny_model_dir, ds, out, metrics_textfile_dir=str(textfiles))
+    assert run(cfg, backend) == EXIT_OK
+    text = (out / METRICS_NAME).read_text(encoding="utf-8")
+    assert value(text, "hsx_samples_done", output=f"{tmp_path}/out-\\xff") == 2
+    assert (textfiles / textfile_name(str(out))).read_bytes() == (out / METRICS_NAME).read_bytes()

@@ -92,3 +92,45 @@ def test_refuses_a_tree_another_user_owns(legacy):
     refused = run(str(other))
     assert refused.returncode != 0 and "not ours to take over" in refused.stderr
     assert other.stat().st_uid == 12345
+
+
+def test_a_tree_deeper_than_pythons_recursion_limit(tmp_path: Path):
+    """1,100 nested directories (os.fwalk recursed: RecursionError): walked, every one handed over."""
+    out = tmp_path / "deep"
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(1100):  # not os.makedirs: it recurses too
+        os.mkdir("d", dir_fd=fd)
+        sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = sub
+    os.close(fd)
+    try:
+        done = run(str(out))
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-500:]
+        assert json.loads(done.stdout)["paths"][str(out)]["changed"] == 1101
+        deepest = out / "/".join(["d"] * 1100)
+        assert deepest.stat().st_uid == pwd.getpwnam(USER).pw_uid
+    finally:  # deepest first: pytest's cleanup (shutil.rmtree) recurses as deep as the tree
+        for depth in range(1100, 0, -1):
+            os.rmdir(out / "/".join(["d"] * depth))
+
+
+def test_a_dangling_or_foreign_output_link_is_a_clear_error(tmp_path: Path):
+    """OUTPUT may be the operator's link, never a dangling one (a traceback) nor one someone else
+    made (it would point root's chown anywhere, /etc say)."""
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    refused = run(str(dangling))
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert f"{dangling} is a symbolic link to {tmp_path / 'nowhere'}, which does not exist" in refused.stderr
+    target = tmp_path / "etc-like"
+    target.mkdir()
+    foreign = tmp_path / "foreign"
+    foreign.symlink_to(target)
+    for uid in (12345, pwd.getpwnam(USER).pw_uid):
+        os.lchown(foreign, uid, uid)
+        refused = run(str(foreign))
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+        assert "a link only root may make" in refused.stderr
+        assert target.stat().st_uid == 0

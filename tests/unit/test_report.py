@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 
-from extraction.cli import main
+from extraction.cli import build_parser, main
+from extraction.fleet.playbook import run_playbook
 from extraction.report import build, host_report, stage_of_task, summary_markdown
 
 RECOVERED = {
@@ -89,7 +91,15 @@ def test_samples_before_says_when_the_running_process_is_gone(alive, shown):
 
 def test_not_a_report_dir_is_a_usage_error(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
-    assert "not a recovery report directory" in capsys.readouterr().out
+    assert "not a recovery report directory" in capsys.readouterr().err
+
+
+def test_a_missing_report_dir_says_it_is_missing(tmp_path, capsys):
+    missing = tmp_path / "reports" / "2026-01-01T00-00"
+    assert main(["report", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"hsx report: {missing}: no such directory" in err and "reports/<timestamp>" in err
+    assert not missing.exists()
 
 
 @pytest.mark.parametrize("host", ["node-1"])
@@ -114,3 +124,20 @@ def test_a_gpu_that_failed_the_health_gate_fails_the_gpus_check_with_the_finding
     r = host_report(facts)
     gpus = {c["name"]: c for c in r["checks"]}["gpus"]
     assert not r["ok"] and not gpus["ok"] and "health: GPU 3: 2 uncorrectable ECC errors" in gpus["detail"]
+
+
+def test_recover_against_an_unreachable_host_still_writes_summary_md(tmp_path):
+    """README: every recovery writes reports/<timestamp>/summary.md; a host nobody can reach (a
+    closed port on this machine: refused at once, no traffic beyond localhost) is in it."""
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(json.dumps({"all": {"hosts": {"gone-1": {
+        "ansible_host": "127.0.0.1", "ansible_port": 1, "ansible_user": "root",
+        "ansible_ssh_common_args": "-o ConnectTimeout=2"}}}}))
+    reports = tmp_path / "reports"
+    args = build_parser().parse_args(["recover", "-i", str(inventory), "--report-dir", str(reports)])
+    shown = io.StringIO()
+    assert run_playbook(args, "recover.yml", "recover", out=shown) == 1
+    (summary,) = reports.glob("*/summary.md")
+    text = summary.read_text()
+    assert "0 of 1 hosts ok." in text and "gone-1" in text and "unreachable" in text, text
+    assert f"Report: {summary.parent}" in shown.getvalue()

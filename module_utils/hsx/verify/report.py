@@ -12,6 +12,7 @@ from ..exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ..fsutil import LinkRefused, atomic_write_bytes, open_dir_nofollow, remove_temps
 from ..index import append_index, tombstone_record
 from ..layout import QUARANTINE_DIR, REASON_SUFFIX
+from ..status import STATUS_NAME, read_status, write_json_atomic
 
 
 @dataclass
@@ -151,6 +152,27 @@ def _quarantine(output_dir: str, report: VerifyReport, level: str) -> None:
             os.close(fd)
     tombstones.extend(tombstone_record(sid, "missing on disk") for sid in report.missing)
     append_index(output_dir, tombstones)
+    if tombstones:
+        _note_in_status(output_dir, len(tombstones), now)
+
+
+def _note_in_status(output_dir: str, marked: int, at: str) -> None:
+    """status.json told that `marked` samples are no longer done, so `hsx status` (and its exit
+    status) agrees with the index: done less `marked`, a "done" run now "failed" (a rerun redoes
+    them), the message says what happened. No status.json, or one that cannot be used: nothing to
+    correct (`hsx status` says why it cannot read it). A live run rewrites the file from its own
+    counters within seconds; its next start counts from the index."""
+    try:
+        status = read_status(output_dir)
+    except (OSError, ValueError):
+        return
+    status["done"] = max(int(status.get("done") or 0) - marked, 0)
+    if status.get("state") == "done":
+        status["state"] = "failed"
+    status["message"] = (
+        f"hsx verify --quarantine marked {marked} sample(s) not done at {at}; run hsx extract again to redo them"
+    )
+    write_json_atomic(os.path.join(output_dir, STATUS_NAME), status)
 
 
 def _lexists(name: str, dir_fd: int) -> bool:
