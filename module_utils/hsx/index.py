@@ -12,6 +12,7 @@ Later lines win, so a quarantine appends a tombstone and the sample counts as no
 
 from __future__ import annotations
 
+import io
 import json
 import operator
 import os
@@ -22,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fsutil import open_nofollow
+from .fsutil import open_nofollow, read_nofollow
 from .layout import INDEX_NAME, SHARD_RELPATH_RE, shard_relpath
 
 
@@ -141,10 +142,11 @@ def read_index(output_dir: str) -> IndexState:
 
 
 def read_index_lines(output_dir: str) -> list[bytes]:
-    """index.jsonl's lines as stored (none when it does not exist)."""
+    """index.jsonl's lines as stored (none when it does not exist). Never through a link, never
+    blocking on a FIFO: fsutil.LinkRefused (an OSError naming the file) when it is not a
+    regular file."""
     try:
-        with open(os.path.join(output_dir, INDEX_NAME), "rb") as f:
-            return f.readlines()
+        return io.BytesIO(read_nofollow(os.path.join(output_dir, INDEX_NAME))).readlines()
     except FileNotFoundError:
         return []
 

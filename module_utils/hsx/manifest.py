@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fsutil import atomic_write_bytes
+from .fsutil import LinkRefused, atomic_write_bytes, read_nofollow
 from .layout import FORMAT_VERSION, HIDDEN_DTYPES, MANIFEST_NAME
 
 
@@ -18,15 +18,17 @@ class ManifestError(Exception):
 
 
 def read_manifest_dict(output_dir: str) -> dict[str, Any]:
-    """run.json as a dict; ManifestError (naming the path) when it is missing, unreadable or not an object."""
+    """run.json as a dict; ManifestError (naming the path) when it is missing, unreadable, not a
+    regular file (a link or a FIFO there is neither followed nor waited on) or not an object."""
     path = os.path.join(output_dir, MANIFEST_NAME)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(read_nofollow(path).decode("utf-8"))
     except FileNotFoundError:
         raise ManifestError(f"{output_dir}: not an extraction run (no {MANIFEST_NAME})") from None
     except PermissionError as e:
         raise ManifestError(f"{path}: cannot read: {e.strerror}") from None
+    except LinkRefused as e:  # a link or a FIFO planted there: never followed, never waited on
+        raise ManifestError(str(e)) from None
     except RecursionError:
         raise ManifestError(f"{path}: unreadable run manifest: JSON nested too deeply") from None
     except (OSError, ValueError) as e:

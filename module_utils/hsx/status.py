@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from .fsutil import atomic_write_bytes
+from .fsutil import atomic_write_bytes, read_nofollow
 
 STATUS_NAME = "status.json"
 ERRORS_NAME = "errors.jsonl"
@@ -131,14 +131,14 @@ def _json_type(v: Any) -> str:
 def read_status(output_dir: str) -> dict[str, Any]:
     """The status of one output, checked (see parse_status).
 
-    Raises OSError when it cannot be read (FileNotFoundError: there is none) and StatusError, a
+    Raises OSError when it cannot be read (FileNotFoundError: there is none; fsutil.LinkRefused,
+    naming the file: a link or a FIFO there, neither followed nor waited on) and StatusError, a
     ValueError whose message names the file and says why, when its content is not a status this
     code writes: not UTF-8 or not JSON, nested too deeply, not an object, too big, a known field of
     the wrong type. Callers catch (OSError, ValueError) and treat the run's status as unknown.
     """
     path = os.path.join(output_dir, STATUS_NAME)
-    with open(path, "rb") as f:
-        raw = f.read(STATUS_MAX_BYTES + 1)
+    raw = read_nofollow(path, STATUS_MAX_BYTES + 1)  # a link or a FIFO there: LinkRefused
     return parse_status(raw, path)
 
 
