@@ -193,8 +193,7 @@ def _inspect(reader: ShardReader, expect: Expect) -> ShardInfo:
     pkl = by_name.get(f"{prefix}/data.pkl")
     if pkl is None:
         raise ShardBad("no data.pkl record")
-    if f"{prefix}/version" not in by_name:
-        raise ShardBad("no version record")
+    ziprecords.check_torch_version(reader, by_name, prefix)
     # Records are read only up to the size they can have: a size the directory declares is data.
     order = by_name.get(f"{prefix}/byteorder")
     if order is not None and (order.size != 6 or reader.read(order.data_offset, 6) != b"little"):
