@@ -51,7 +51,14 @@ from hsx.layout import (
     shard_relpath,
     temp_name,
 )
-from hsx.manifest import ManifestError, RunManifest, manifest_mismatches, read_manifest, write_manifest
+from hsx.manifest import (
+    ManifestError,
+    RunManifest,
+    manifest_fingerprint,
+    manifest_mismatches,
+    read_manifest,
+    write_manifest,
+)
 
 _DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -229,6 +236,7 @@ class ShardWriter:
         self.output_dir = os.fspath(output_dir)
         self.manifest = manifest
         self.check_finite = check_finite
+        self.fingerprint = manifest_fingerprint(manifest.to_dict())  # in every index line
         self.fsync_index = fsync_index
         self._dtype = getattr(torch, manifest.dtype)
         self._lock = threading.Lock()
@@ -349,6 +357,7 @@ class ShardWriter:
             size=size,
             checksum=checksum_string(crc),
             num_tokens=int(num_tokens if num_tokens is not None else payload[KEY_INPUT_IDS].shape[0]),
+            fingerprint=self.fingerprint,
         )
 
     def commit(self, entries: list[IndexEntry]) -> None:

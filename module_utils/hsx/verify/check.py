@@ -34,7 +34,7 @@ from ..layout import (
     MANIFEST_NAME,
     SHARD_KEYS,
 )
-from ..manifest import ManifestError
+from ..manifest import ManifestError, manifest_fingerprint
 from ..torchpickle import MAX_PICKLE, TensorMeta, read_tensor_pickle
 from ..ziprecords import ShardReader, ZipRecord, read_zip_records
 
@@ -53,6 +53,7 @@ class Expect:
     num_aux: int
     dtype: str
     vocab_size: int | None = None
+    fingerprint: str | None = None  # run.json's (manifest_fingerprint): index entries must carry it
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], source: str = MANIFEST_NAME) -> Expect:
@@ -67,7 +68,7 @@ class Expect:
             raise ManifestError(f"{source}: hidden_size/layer_ids invalid")
         if dtype not in HIDDEN_DTYPES:
             raise ManifestError(f"{source}: dtype {dtype!r} is not one of {', '.join(HIDDEN_DTYPES)}")
-        return cls(hidden, len(layer_ids), dtype, vocab if _is_int(vocab) else None)
+        return cls(hidden, len(layer_ids), dtype, vocab if _is_int(vocab) else None, manifest_fingerprint(manifest))
 
 
 @dataclass
