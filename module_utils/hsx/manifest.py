@@ -123,13 +123,23 @@ def read_manifest(output_dir: str | os.PathLike[str]) -> RunManifest:
     return RunManifest.from_dict(read_manifest_dict(output_dir), os.path.join(output_dir, MANIFEST_NAME))
 
 
+# Which dataset file a run reads: a change is harmless while the output holds no sample of it
+# (a dataset fixed after a first run whose rows were all errors), and refused after that.
+DATASET_FIELDS = ("dataset_path", "dataset_hash")
+
+
+def mismatched_fields(existing: RunManifest, wanted: RunManifest) -> list[str]:
+    """The names of the fields manifest_mismatches reports, sorted."""
+    a, b = existing.to_dict(), wanted.to_dict()
+    return [name for name in sorted(set(a) | set(b)) if name not in _IGNORED and a.get(name) != b.get(name)]
+
+
 def manifest_mismatches(existing: RunManifest, wanted: RunManifest) -> list[str]:
     """One human-readable line per field that differs (created_at and extra are ignored)."""
     a, b = existing.to_dict(), wanted.to_dict()
     return [
         f"{name}: existing run has {a.get(name)!r}, this run wants {b.get(name)!r}"
-        for name in sorted(set(a) | set(b))
-        if name not in _IGNORED and a.get(name) != b.get(name)
+        for name in mismatched_fields(existing, wanted)
     ]
 
 

@@ -326,7 +326,7 @@ def describe(status: dict[str, Any]) -> str:
         f"{status.get('output', '?')}: {status.get('state', '?')}"
         + (f" - {status['message']}" if status.get("message") else ""),
         f"  done {done}/{total}{pct}, skipped existing {status.get('skipped_existing', 0)}, "
-        f"errors {status.get('errors', 0)}",
+        f"errors {status.get('errors', 0)}, skipped rows {status.get('row_errors', 0)}",
         f"  {status.get('samples_per_s', 0)} samples/s, {status.get('tokens_per_s', 0)} tokens/s, "
         f"ETA {format_eta(status.get('eta_s'))}",
         f"  written {_fmt_bytes(status.get('bytes_written'))}, free {_fmt_bytes(status.get('free_bytes'))} "
@@ -339,7 +339,7 @@ def describe(status: dict[str, Any]) -> str:
 
 def summarize(statuses: list[dict[str, Any]]) -> dict[str, Any]:
     """Sums over several outputs (nodes splitting one dataset)."""
-    keys = ("done", "total", "written", "skipped_existing", "errors", "bytes_written")
+    keys = ("done", "total", "written", "skipped_existing", "errors", "row_errors", "bytes_written")
     total = {k: sum(int(s.get(k) or 0) for s in statuses) for k in keys}
     for k in ("samples_per_s", "tokens_per_s"):
         total[k] = round(sum(float(s.get(k) or 0) for s in statuses if s.get("state") == "running"), 3)
