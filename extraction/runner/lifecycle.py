@@ -13,8 +13,9 @@ Contract:
 - errors.jsonl gets one JSON line per failed sample, malformed row or redone shard.
 - exit_code() gives the run's exit status from what happened and sets status.json's final state:
   a failure beside a pause is a failure (1: the job unit restarts it; a pause is left to a
-  person); a pause 75; a signal 130/143; an abort 1; no valid row at all (every row skipped) 1,
-  naming the shapes a row must have and the first bad line; samples missing 1; else 0.
+  person); a pause 75; a signal 130/143; an abort 1; no valid row at all (every row skipped, or
+  an empty dataset on a single node) 1, naming the shapes a row must have and the first bad
+  line; samples missing 1; else 0.
 """
 
 from __future__ import annotations
@@ -231,11 +232,14 @@ class Lifecycle:
         where = f" for this node (--shard-index {cfg.shard_index} of {cfg.num_shards})" if cfg.num_shards > 1 else ""
         reason = str(first.get("reason", "?"))
         shapes = "" if ROW_SHAPES[0] in reason else f"; a row must be a JSON object with {' or '.join(ROW_SHAPES)}"
+        again = "fix the dataset and run the same command again"
+        if not self.reporter.row_errors:  # an empty file (or blank lines only)
+            return f"no rows in {cfg.dataset}: the file holds none{shapes}; {again}"
         return (
             f"no valid rows in {cfg.dataset}{where}: {self.reporter.row_errors} row(s) skipped, each "
             f"in {os.path.join(cfg.output, ERRORS_NAME)}; first bad row: {cfg.dataset} line "
-            f"{first.get('line', '?')}: {reason}{shapes}; fix the dataset and run the same command "
-            "again (rows that were errors are not results: they are read again)"
+            f"{first.get('line', '?')}: {reason}{shapes}; {again} (rows that were errors are not "
+            "results: they are read again)"
         )
 
     def exit_code(self) -> int:
@@ -266,7 +270,7 @@ class Lifecycle:
             r.set_state("failed", self.abort)
             self.log(f"aborting: {self.abort}")
             return EXIT_FAILED
-        if r.total <= 0 and r.done == 0 and r.row_errors:
+        if r.total <= 0 and r.done == 0 and (r.row_errors or self.cfg.num_shards == 1):
             msg = self.no_valid_rows()
             r.set_state("failed", msg)
             self.log(msg)

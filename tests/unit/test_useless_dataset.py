@@ -81,3 +81,18 @@ def test_the_shapes_are_named_when_the_first_bad_row_is_of_another_kind(tiny_mod
     assert run(make_cfg(tiny_model_dir, ds, out), backend) == EXIT_FAILED
     msg = read_status(str(out))["message"]
     assert f"{ds} line 1: invalid JSON" in msg and f"a row must be a JSON object with {' or '.join(ROW_SHAPES)}" in msg
+
+
+def test_an_empty_dataset_fails_on_one_node_and_is_no_failure_for_a_node_given_nothing(
+    tiny_model_dir, backend, tmp_path
+):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert run(make_cfg(tiny_model_dir, empty, tmp_path / "one"), backend) == EXIT_FAILED
+    msg = read_status(str(tmp_path / "one"))["message"]
+    assert msg.startswith(f"no rows in {empty}: the file holds none; a row must be a JSON object with")
+    one_row = write_tiny_dataset(tmp_path / "one.jsonl", 1, seed=5)
+    for index in range(2):  # one of the two nodes gets the only row, the other none: both done
+        out = tmp_path / f"node{index}"
+        assert run(make_cfg(tiny_model_dir, one_row, out, shard_index=index, num_shards=2), backend) == EXIT_OK
+        assert read_status(str(out))["state"] == "done"
