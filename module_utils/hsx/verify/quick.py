@@ -54,8 +54,11 @@ def verify_quick(
             else:
                 row = (sid, entry.path, entry.size, entry.checksum, entry.num_tokens, entry.fingerprint)
                 entries[sid] = by_path[entry.path] = row
+        fingerprints = [e.fingerprint for e in state.entries.values()]
+    else:  # every live entry is a row (5 fields before the fingerprint, 6 with it)
+        fingerprints = [row[5] if len(row) > 5 else None for row in entries.values()]
     # Before any check, and so before anything moves: data of another run.json is refused whole.
-    check_fingerprints(output_dir, expect.fingerprint, (row[5] if len(row) > 5 else None for row in entries.values()))
+    check_fingerprints(output_dir, expect.fingerprint, fingerprints)
     try:
         buckets = list_buckets(output_dir, report.orphans)
     except PermissionError as e:
