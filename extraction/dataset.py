@@ -41,6 +41,13 @@ ROLE_NAMES = {
 }
 
 
+# The row shapes a dataset may hold, for messages that tell a user what a row must look like.
+ROW_SHAPES = (
+    "'conversations' (ShareGPT: a list of {\"from\", \"value\"} turns)",
+    "'messages' (OpenAI: a list of {\"role\", \"content\"} turns)",
+)
+
+
 class RowError(ValueError):
     """A dataset row that cannot become a sample; `line` is 1-based."""
 
@@ -127,7 +134,7 @@ def normalize_row(row: Any) -> tuple[str | None, list[dict[str, str]]]:
     elif "messages" in row:
         turns, role_key, text_key, shape = row["messages"], "role", "content", "messages"
     else:
-        raise ValueError("row has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
+        raise ValueError(f"row has neither {ROW_SHAPES[0]} nor {ROW_SHAPES[1]}")
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"'{shape}' must be a non-empty list")
     messages = []

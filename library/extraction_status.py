@@ -149,6 +149,7 @@ index_bad_lines:
 
 import datetime
 import os
+import stat
 import time
 from typing import Any
 
@@ -181,6 +182,14 @@ def last_progress_time(history: list[Any]) -> float | None:
     return None
 
 
+def _is_regular(path: str) -> bool:
+    """A regular file at `path` itself (a link there is not followed: not run.json of ours)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 class ExtractionStatus:
     """Combines status.json and the index into the module's answer; pure and testable."""
 
@@ -195,7 +204,7 @@ class ExtractionStatus:
     def read(self) -> dict[str, Any]:
         result: dict[str, Any] = {
             "exists": os.path.isdir(self.output_dir),
-            "has_manifest": os.path.isfile(os.path.join(self.output_dir, MANIFEST_NAME)),
+            "has_manifest": _is_regular(os.path.join(self.output_dir, MANIFEST_NAME)),
             "state": "none", "done": 0, "total": None, "remaining": None, "samples_per_s": 0.0,
             "eta_s": None, "bytes_done": 0, "bytes_per_sample": None, "pid": None, "pid_alive": False,
             "status_age_s": None, "last_progress_age_s": None, "making_progress": False, "message": "",
@@ -204,7 +213,11 @@ class ExtractionStatus:
         if not result["exists"]:
             result["message"] = f"{self.output_dir} does not exist"
             return result
-        index = read_index(self.output_dir)
+        try:
+            index = read_index(self.output_dir)
+        except OSError as e:  # a link or a FIFO at index.jsonl (never followed nor waited on), a read error
+            result["message"] = f"unreadable index: {e}"
+            return result
         result["done"] = len(index.entries)
         result["index_bad_lines"] = index.bad_lines
         result["bytes_done"] = sum(e.size for e in index.entries.values())

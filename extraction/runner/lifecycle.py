@@ -13,7 +13,9 @@ Contract:
 - errors.jsonl gets one JSON line per failed sample, malformed row or redone shard.
 - exit_code() gives the run's exit status from what happened and sets status.json's final state:
   a failure beside a pause is a failure (1: the job unit restarts it; a pause is left to a
-  person); a pause 75; a signal 130/143; an abort 1; samples missing 1; else 0.
+  person); a pause 75; a signal 130/143; an abort 1; no valid row at all (every row skipped, or
+  an empty dataset on a single node) 1, naming the shapes a row must have and the first bad
+  line; samples missing 1; else 0.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 from extraction.backends.base import Sample
 from extraction.config import ExtractConfig
+from extraction.dataset import ROW_SHAPES
 from extraction.diskguard import DiskGuard, DiskLow
 from extraction.publisher import Outcome, Work
 from extraction.runner.progress import ProgressLines, progress_mode
@@ -66,6 +69,7 @@ class Lifecycle:
         self.guard: DiskGuard = None  # type: ignore[assignment]
         self.bar: Any = None
         self.on_abandon: Callable[[], None] | None = None
+        self.first_row_error: dict[str, Any] | None = None  # the lowest line of a skipped row
         self._errors_lock = threading.Lock()
 
     # ------------------------------------------------------------------ records
@@ -76,6 +80,10 @@ class Lifecycle:
         record = {"time": now_iso(), **record}
         path = os.path.join(self.cfg.output, ERRORS_NAME)
         with self._errors_lock:
+            if record.get("kind") == "row" and isinstance(record.get("line"), int):
+                first = self.first_row_error
+                if first is None or record["line"] < first["line"]:
+                    self.first_row_error = record
             try:
                 f = open(path, "a", encoding="utf-8", opener=nofollow_opener)
             except LinkRefused as e:
@@ -224,6 +232,23 @@ class Lifecycle:
         snap = self.reporter.snapshot_rates()
         self.bar.set_postfix(tok_s=f"{snap[1]:.0f}", errors=self.reporter.errors, refresh=False)
 
+    def no_valid_rows(self) -> str:
+        """What a run whose every row was skipped says: the shapes a row must have, the first bad
+        line, and that the same command resumes once the dataset is fixed."""
+        cfg, first = self.cfg, self.first_row_error or {}
+        where = f" for this node (--shard-index {cfg.shard_index} of {cfg.num_shards})" if cfg.num_shards > 1 else ""
+        reason = str(first.get("reason", "?"))
+        shapes = "" if ROW_SHAPES[0] in reason else f"; a row must be a JSON object with {' or '.join(ROW_SHAPES)}"
+        again = "fix the dataset and run the same command again"
+        if not self.reporter.row_errors:  # an empty file (or blank lines only)
+            return f"no rows in {cfg.dataset}: the file holds none{shapes}; {again}"
+        return (
+            f"no valid rows in {cfg.dataset}{where}: {self.reporter.row_errors} row(s) skipped, each "
+            f"in {os.path.join(cfg.output, ERRORS_NAME)}; first bad row: {cfg.dataset} line "
+            f"{first.get('line', '?')}: {reason}{shapes}; {again} (rows that were errors are not "
+            "results: they are read again)"
+        )
+
     def exit_code(self) -> int:
         """The run's exit status; status.json's final state and message set (not written)."""
         r = self.reporter
@@ -251,6 +276,11 @@ class Lifecycle:
         if self.abort is not None:
             r.set_state("failed", self.abort)
             self.log(f"aborting: {self.abort}")
+            return EXIT_FAILED
+        if r.total <= 0 and r.done == 0 and (r.row_errors or self.cfg.num_shards == 1):
+            msg = self.no_valid_rows()
+            r.set_state("failed", msg)
+            self.log(msg)
             return EXIT_FAILED
         missing = r.total - r.done
         if missing > 0:

@@ -43,7 +43,7 @@ from hsx.exitcodes import EXIT_FAILED, EXIT_PAUSED, EXIT_USAGE
 from hsx.fsutil import nofollow_opener
 from hsx.index import entry_problems, read_index
 from hsx.layout import INDEX_NAME, MANIFEST_NAME
-from hsx.manifest import ManifestError, RunManifest, read_manifest_dict
+from hsx.manifest import ManifestError, RunManifest, check_fingerprints, read_manifest_dict
 from hsx.verify import Expect, check_shard
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -228,6 +228,10 @@ def verified_done(
     another sample's shard, or one that two entries name."""
     state = read_index(output)
     expect = Expect.from_manifest(manifest.to_dict())
+    try:  # shards written under another run.json are no one's done work: refuse, move nothing
+        check_fingerprints(output, expect.fingerprint, (e.fingerprint for e in state.entries.values()))
+    except ManifestError as e:
+        raise RunError(f"refusing to resume: {e}") from None
     untrusted = entry_problems((sid, e.path) for sid, e in state.entries.items())
     done: set[str] = set()
     bad = 0

@@ -38,6 +38,7 @@ from hsx.index import (
     encode_index_line,
     index_record,
     open_index_for_append,
+    read_index,
     write_index_bytes,
 )
 from hsx.layout import (
@@ -51,7 +52,16 @@ from hsx.layout import (
     shard_relpath,
     temp_name,
 )
-from hsx.manifest import ManifestError, RunManifest, manifest_mismatches, read_manifest, write_manifest
+from hsx.manifest import (
+    DATASET_FIELDS,
+    ManifestError,
+    RunManifest,
+    manifest_fingerprint,
+    manifest_mismatches,
+    mismatched_fields,
+    read_manifest,
+    write_manifest,
+)
 
 _DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -68,9 +78,9 @@ class ShardDataError(ValueError):
 class ManifestMismatchError(ManifestError):
     """The output directory belongs to a different run; `mismatches` says what differs."""
 
-    def __init__(self, output_dir: str, mismatches: list[str]):
+    def __init__(self, output_dir: str, mismatches: list[str], advice: str = ""):
         self.mismatches = mismatches
-        super().__init__(f"{output_dir} holds a different run: " + "; ".join(mismatches))
+        super().__init__(f"{output_dir} holds a different run: " + "; ".join(mismatches) + advice)
 
 
 _READ_CHUNK = 4 << 20  # read-back buffer for the checksum: zlib.crc32 releases the GIL above 5 KiB
@@ -229,6 +239,7 @@ class ShardWriter:
         self.output_dir = os.fspath(output_dir)
         self.manifest = manifest
         self.check_finite = check_finite
+        self.fingerprint = manifest_fingerprint(manifest.to_dict())  # in every index line
         self.fsync_index = fsync_index
         self._dtype = getattr(torch, manifest.dtype)
         self._lock = threading.Lock()
@@ -250,9 +261,29 @@ class ShardWriter:
             existing = read_manifest(self.output_dir)
             mismatches = manifest_mismatches(existing, manifest)
             if mismatches:
-                raise ManifestMismatchError(self.output_dir, mismatches)
+                self._take_another_dataset(existing, mismatches)
         else:
             write_manifest(self.output_dir, manifest)
+
+    def _take_another_dataset(self, existing: RunManifest, mismatches: list[str]) -> None:
+        """run.json rewritten for this run when only the dataset differs and the output holds no
+        sample yet (every row of the first run was an error: none is a result); else
+        ManifestMismatchError, saying what to do when the dataset is what changed."""
+        fields = mismatched_fields(existing, self.manifest)
+        dataset = [name for name in fields if name in DATASET_FIELDS]
+        if not dataset:
+            raise ManifestMismatchError(self.output_dir, mismatches)
+        done = len(read_index(self.output_dir).entries)
+        if done == 0 and dataset == fields:
+            write_manifest(self.output_dir, self.manifest)
+            return
+        raise ManifestMismatchError(
+            self.output_dir,
+            mismatches,
+            f"; it holds {done} samples extracted from another version of the dataset: run with the "
+            "dataset it was started with, or extract this one into another --output (rows fixed "
+            "since, those errors.jsonl lists, can go in a file of their own and another --output)",
+        )
 
     @property
     def writes_directly(self) -> bool:
@@ -349,6 +380,7 @@ class ShardWriter:
             size=size,
             checksum=checksum_string(crc),
             num_tokens=int(num_tokens if num_tokens is not None else payload[KEY_INPUT_IDS].shape[0]),
+            fingerprint=self.fingerprint,
         )
 
     def commit(self, entries: list[IndexEntry]) -> None:

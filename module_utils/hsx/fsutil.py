@@ -35,10 +35,10 @@ class LinkRefused(OSError):
     """A symlink (or something else that is not ours) where an entry of ours should be below an
     output root: refused, not followed. str() is the whole message, naming the path."""
 
-    def __init__(self, path: str, found: str = "a symlink"):
+    def __init__(self, path: str, found: str = "a symlink", action: str = "write"):
         super().__init__(
             errno.ELOOP,
-            f"{path} is {found}: refusing to write through it (nothing below an output directory "
+            f"{path} is {found}: refusing to {action} through it (nothing below an output directory "
             "is followed: hsx runs as root there and never makes links of its own there); "
             "remove it, or put the real directory or file in its place, and run again",
         )
@@ -132,6 +132,19 @@ def open_nofollow(
             os.close(fd)
             raise LinkRefused(where, "not a regular file")
     return fd
+
+
+def read_nofollow(path: str, limit: int = -1) -> bytes:
+    """The bytes of `path` (at most `limit` when not -1), a file we did not necessarily write
+    (run.json, index.jsonl, status.json): never through a symlink, never blocking on a FIFO,
+    only a regular file. LinkRefused (an OSError naming `path`, "refusing to read through it")
+    for anything else there; FileNotFoundError when there is nothing."""
+    try:
+        fd = open_nofollow(path, os.O_RDONLY)
+    except LinkRefused as e:
+        raise LinkRefused(e.path, e.found, "read") from None
+    with open(fd, "rb") as f:
+        return f.read(limit)
 
 
 def nofollow_opener(path: str, flags: int) -> int:

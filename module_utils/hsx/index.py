@@ -12,6 +12,7 @@ Later lines win, so a quarantine appends a tombstone and the sample counts as no
 
 from __future__ import annotations
 
+import io
 import json
 import operator
 import os
@@ -22,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fsutil import open_nofollow
+from .fsutil import open_nofollow, read_nofollow
 from .layout import INDEX_NAME, SHARD_RELPATH_RE, shard_relpath
 
 
@@ -35,6 +36,7 @@ class IndexEntry:
     size: int
     checksum: str  # "crc32:xxxxxxxx" of the whole file
     num_tokens: int
+    fingerprint: str | None = None  # run.json's (manifest.manifest_fingerprint); None: an older line
 
 
 def checksum_string(crc: int) -> str:
@@ -141,10 +143,11 @@ def read_index(output_dir: str) -> IndexState:
 
 
 def read_index_lines(output_dir: str) -> list[bytes]:
-    """index.jsonl's lines as stored (none when it does not exist)."""
+    """index.jsonl's lines as stored (none when it does not exist). Never through a link, never
+    blocking on a FIFO: fsutil.LinkRefused (an OSError naming the file) when it is not a
+    regular file."""
     try:
-        with open(os.path.join(output_dir, INDEX_NAME), "rb") as f:
-            return f.readlines()
+        return io.BytesIO(read_nofollow(os.path.join(output_dir, INDEX_NAME))).readlines()
     except FileNotFoundError:
         return []
 
@@ -174,6 +177,9 @@ def _apply(state: IndexState, record: dict[str, Any]) -> str:
     if record.get("removed"):
         state.entries.pop(sample_id, None)
         return ""
+    fingerprint = record.get(FINGERPRINT_KEY)
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        return f"{FINGERPRINT_KEY} is not a string"
     try:
         state.entries[sample_id] = IndexEntry(
             sample_id,
@@ -181,6 +187,7 @@ def _apply(state: IndexState, record: dict[str, Any]) -> str:
             int(record["size"]),
             str(record["checksum"]),
             int(record["num_tokens"]),
+            fingerprint,
         )
     except KeyError as e:
         return f"entry lacks {e.args[0]!r}"
@@ -188,6 +195,9 @@ def _apply(state: IndexState, record: dict[str, Any]) -> str:
         return f"entry field does not convert ({type(e).__name__})"
     return ""
 
+
+# An entry's run.json fingerprint (manifest.manifest_fingerprint); lines written before it have none.
+FINGERPRINT_KEY = "run_fp"
 
 OUTSIDE_SHARDS = "index entry points outside shards/ (not touched)"
 
@@ -231,13 +241,16 @@ def load_index(output_dir: str) -> dict[str, IndexEntry]:
 
 
 def index_record(entry: IndexEntry) -> dict[str, Any]:
-    return {
+    record = {
         "id": entry.sample_id,
         "path": entry.path,
         "size": entry.size,
         "checksum": entry.checksum,
         "num_tokens": entry.num_tokens,
     }
+    if entry.fingerprint is not None:
+        record[FINGERPRINT_KEY] = entry.fingerprint
+    return record
 
 
 def tombstone_record(sample_id: str, reason: str) -> dict[str, Any]:
@@ -290,9 +303,11 @@ _LINE_BODY = operator.itemgetter(slice(None, -10))
 _LINE_CRC = operator.itemgetter(slice(-9, -1))
 _LINE_TAB = operator.itemgetter(slice(-10, -9))
 _ROW = operator.itemgetter("id", "path", "size", "checksum", "num_tokens")  # IndexEntry's field order
+_ROW_FP = operator.itemgetter("id", "path", "size", "checksum", "num_tokens", FINGERPRINT_KEY)
 
-# An index entry as a tuple: (sample_id, path, size, checksum, num_tokens), IndexEntry's field order.
-IndexRow = tuple[str, str, int, str, int]
+# An index entry as a tuple: (sample_id, path, size, checksum, num_tokens[, fingerprint]),
+# IndexEntry's field order (IndexEntry(*row) rebuilds it).
+IndexRow = tuple[Any, ...]
 
 
 def index_rows(lines: list[bytes]) -> dict[str, IndexRow] | None:
@@ -308,15 +323,18 @@ def index_rows(lines: list[bytes]) -> dict[str, IndexRow] | None:
         return None
     try:
         records = json.loads(b"[" + b",".join(bodies) + b"]")
-        rows = list(map(_ROW, records))  # KeyError: a tombstone or another record
+        if len(records) != len(lines):  # a body such as `{..},{..}`: two values from one line
+            return None
+        keys = set(map(len, records))  # 5: lines before the fingerprint, 6: with it
+        if keys not in ({5}, {6}):  # other keys too (one may be "removed"), or old and new mixed
+            return None
+        rows = list(map(_ROW if keys == {5} else _ROW_FP, records))  # KeyError: another record
     except (ValueError, KeyError, TypeError, RecursionError):
         return None
-    if len(records) != len(lines):  # a body such as `{..},{..}`: two values from one line
-        return None
-    if set(map(len, records)) != {5}:  # other keys too (one may be "removed")
-        return None
-    ids, paths, sizes, checksums, tokens = zip(*rows, strict=True)
-    if set(map(type, ids + paths + checksums)) != {str} or set(map(type, sizes + tokens)) != {int}:
+    columns = list(zip(*rows, strict=True))
+    ids, paths, sizes, checksums, tokens = columns[:5]
+    strings = ids + paths + checksums + (columns[5] if len(columns) > 5 else ())
+    if set(map(type, strings)) != {str} or set(map(type, sizes + tokens)) != {int}:
         return None  # read_index would convert these (or count the line bad)
     if "" in ids:
         return None  # read_index counts the line bad

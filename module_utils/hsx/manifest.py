@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
 import json
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fsutil import atomic_write_bytes
-from .layout import FORMAT_VERSION, HIDDEN_DTYPES, MANIFEST_NAME
+from .fsutil import LinkRefused, atomic_write_bytes, read_nofollow
+from .layout import FORMAT_VERSION, HIDDEN_DTYPES, INDEX_NAME, MANIFEST_NAME
 
 
 class ManifestError(Exception):
@@ -18,15 +20,17 @@ class ManifestError(Exception):
 
 
 def read_manifest_dict(output_dir: str) -> dict[str, Any]:
-    """run.json as a dict; ManifestError (naming the path) when it is missing, unreadable or not an object."""
+    """run.json as a dict; ManifestError (naming the path) when it is missing, unreadable, not a
+    regular file (a link or a FIFO there is neither followed nor waited on) or not an object."""
     path = os.path.join(output_dir, MANIFEST_NAME)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(read_nofollow(path).decode("utf-8"))
     except FileNotFoundError:
         raise ManifestError(f"{output_dir}: not an extraction run (no {MANIFEST_NAME})") from None
     except PermissionError as e:
         raise ManifestError(f"{path}: cannot read: {e.strerror}") from None
+    except LinkRefused as e:  # a link or a FIFO planted there: never followed, never waited on
+        raise ManifestError(str(e)) from None
     except RecursionError:
         raise ManifestError(f"{path}: unreadable run manifest: JSON nested too deeply") from None
     except (OSError, ValueError) as e:
@@ -119,11 +123,85 @@ def read_manifest(output_dir: str | os.PathLike[str]) -> RunManifest:
     return RunManifest.from_dict(read_manifest_dict(output_dir), os.path.join(output_dir, MANIFEST_NAME))
 
 
+# Which dataset file a run reads: a change is harmless while the output holds no sample of it
+# (a dataset fixed after a first run whose rows were all errors), and refused after that.
+DATASET_FIELDS = ("dataset_path", "dataset_hash")
+
+
+def mismatched_fields(existing: RunManifest, wanted: RunManifest) -> list[str]:
+    """The names of the fields manifest_mismatches reports, sorted."""
+    a, b = existing.to_dict(), wanted.to_dict()
+    return [name for name in sorted(set(a) | set(b)) if name not in _IGNORED and a.get(name) != b.get(name)]
+
+
 def manifest_mismatches(existing: RunManifest, wanted: RunManifest) -> list[str]:
     """One human-readable line per field that differs (created_at and extra are ignored)."""
     a, b = existing.to_dict(), wanted.to_dict()
     return [
         f"{name}: existing run has {a.get(name)!r}, this run wants {b.get(name)!r}"
-        for name in sorted(set(a) | set(b))
-        if name not in _IGNORED and a.get(name) != b.get(name)
+        for name in mismatched_fields(existing, wanted)
     ]
+
+
+# --- the fingerprint: what ties an index line (and so its shard) to run.json -------------------
+# The fields that define what a shard holds: the model and its tokenizer/template (input_ids),
+# the layers captured and their convention (aux_hidden_state's k and order), hidden size, dtype,
+# final norm, the format. Not created_at, not `extra` (max_length may be tightened on a resume),
+# not the dataset (a fixed dataset resumes: a sample's shard depends on its own row only).
+FINGERPRINT_FIELDS = (
+    "model",
+    "revision",
+    "hidden_size",
+    "num_layers",
+    "layer_ids",
+    "layer_convention",
+    "dtype",
+    "final_normed",
+    "vocab_size",
+    "tokenizer_hash",
+    "chat_template_hash",
+    "format_version",
+)
+_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(RunManifest) if f.default is not dataclasses.MISSING
+}
+
+
+def manifest_fingerprint(data: Mapping[str, Any]) -> str:
+    """16 hex of the SHA-256 of run.json's FINGERPRINT_FIELDS (as a dict: RunManifest.to_dict()
+    or run.json as read; a field it lacks counts as RunManifest's default). The one definition:
+    the writer puts it in every index line (`run_fp`), verify and resume compare it."""
+    picked = {name: data.get(name, _DEFAULTS.get(name)) for name in FINGERPRINT_FIELDS}
+    try:
+        body = json.dumps(picked, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=repr)
+    except (ValueError, RecursionError):  # run.json is data: a value nested too deeply, say
+        body = repr(picked)
+    return hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def check_fingerprints(output_dir: str, want: str | None, fingerprints: Iterable[str | None]) -> None:
+    """ManifestError unless every live index entry's fingerprint (None: written before there was
+    one, accepted as it always was) is run.json's: otherwise the shards hold data run.json does
+    not describe (run.json edited, or lines appended from another run), and nothing may count
+    them as done or move them. The message names both files, the counts and what to do.
+    `want`: manifest_fingerprint of run.json (None: nothing to compare)."""
+    if want is None:
+        return
+    total = foreign = 0
+    seen: set[str] = set()
+    for fp in fingerprints:
+        total += 1
+        if fp is not None and fp != want:
+            foreign += 1
+            seen.add(fp)
+    if not foreign:
+        return
+    index, run_json = os.path.join(output_dir, INDEX_NAME), os.path.join(output_dir, MANIFEST_NAME)
+    others = ", ".join(sorted(seen)[:3]) + (" ..." if len(seen) > 3 else "")
+    raise ManifestError(
+        f"{index}: {foreign} of {total} entries were written under another run.json (run "
+        f"fingerprint {others}; {run_json} now gives {want}): one of its fields "
+        f"{', '.join(FINGERPRINT_FIELDS)} differs from when those shards were written, so they "
+        f"hold other data than it describes. Nothing was counted or moved: restore run.json as it "
+        f"was, or extract into another --output"
+    )

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from .fsutil import atomic_write_bytes
+from .fsutil import atomic_write_bytes, read_nofollow
 
 STATUS_NAME = "status.json"
 ERRORS_NAME = "errors.jsonl"
@@ -131,14 +131,14 @@ def _json_type(v: Any) -> str:
 def read_status(output_dir: str) -> dict[str, Any]:
     """The status of one output, checked (see parse_status).
 
-    Raises OSError when it cannot be read (FileNotFoundError: there is none) and StatusError, a
+    Raises OSError when it cannot be read (FileNotFoundError: there is none; fsutil.LinkRefused,
+    naming the file: a link or a FIFO there, neither followed nor waited on) and StatusError, a
     ValueError whose message names the file and says why, when its content is not a status this
     code writes: not UTF-8 or not JSON, nested too deeply, not an object, too big, a known field of
     the wrong type. Callers catch (OSError, ValueError) and treat the run's status as unknown.
     """
     path = os.path.join(output_dir, STATUS_NAME)
-    with open(path, "rb") as f:
-        raw = f.read(STATUS_MAX_BYTES + 1)
+    raw = read_nofollow(path, STATUS_MAX_BYTES + 1)  # a link or a FIFO there: LinkRefused
     return parse_status(raw, path)
 
 
@@ -326,7 +326,7 @@ def describe(status: dict[str, Any]) -> str:
         f"{status.get('output', '?')}: {status.get('state', '?')}"
         + (f" - {status['message']}" if status.get("message") else ""),
         f"  done {done}/{total}{pct}, skipped existing {status.get('skipped_existing', 0)}, "
-        f"errors {status.get('errors', 0)}",
+        f"errors {status.get('errors', 0)}, skipped rows {status.get('row_errors', 0)}",
         f"  {status.get('samples_per_s', 0)} samples/s, {status.get('tokens_per_s', 0)} tokens/s, "
         f"ETA {format_eta(status.get('eta_s'))}",
         f"  written {_fmt_bytes(status.get('bytes_written'))}, free {_fmt_bytes(status.get('free_bytes'))} "
@@ -339,7 +339,7 @@ def describe(status: dict[str, Any]) -> str:
 
 def summarize(statuses: list[dict[str, Any]]) -> dict[str, Any]:
     """Sums over several outputs (nodes splitting one dataset)."""
-    keys = ("done", "total", "written", "skipped_existing", "errors", "bytes_written")
+    keys = ("done", "total", "written", "skipped_existing", "errors", "row_errors", "bytes_written")
     total = {k: sum(int(s.get(k) or 0) for s in statuses) for k in keys}
     for k in ("samples_per_s", "tokens_per_s"):
         total[k] = round(sum(float(s.get(k) or 0) for s in statuses if s.get("state") == "running"), 3)

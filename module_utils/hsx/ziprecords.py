@@ -8,6 +8,7 @@ named the same in its local header, and clear of the next record; anything else 
 from __future__ import annotations
 
 import os
+import re
 import struct
 from dataclasses import dataclass
 
@@ -174,3 +175,38 @@ def read_zip_records(reader: ShardReader) -> tuple[list[ZipRecord], int]:
         if rec.data_offset + rec.size > limit:
             raise ShardBad(f"record {rec.name!r} overlaps the next record or runs past the data")
     return records, cd_offset
+
+
+# The archive version torch.load accepts (caffe2's PyTorchStreamReader): the `.data/version`
+# record when there is one, else `version`, parsed by std::stoull - leading C whitespace, an
+# optional sign, decimal digits, anything after them ignored; a minus wraps modulo 2**64 - and
+# within kMinSupportedFileFormatVersion..kMaxSupportedFileFormatVersion (1..10 in caffe2/serialize/versions.h, torch 2.13).
+TORCH_FILE_VERSIONS = range(1, 11)
+_VERSION_RE = re.compile(rb"[ \t\n\v\f\r]*([+-]?)([0-9]+)")
+_MAX_VERSION_RECORD = 64  # torch.save writes b"3\n"; a longer record is not a file it wrote
+
+
+def check_torch_version(reader: ShardReader, by_name: dict[str, ZipRecord], prefix: str) -> None:
+    """ShardBad unless the version record torch reads parses as torch parses it, to a version it
+    loads: `quick` and `full` pass only files whose version `deep` (torch.load) accepts."""
+    rec = by_name.get(f"{prefix}/.data/version") or by_name.get(f"{prefix}/version")
+    if rec is None:
+        raise ShardBad("no version record")
+    name = rec.name[len(prefix) + 1 :]
+    if rec.size > _MAX_VERSION_RECORD:
+        raise ShardBad(f"{name} record of {rec.size} bytes: not a torch.save file")
+    text = reader.read(rec.data_offset, rec.size)
+    m = _VERSION_RE.match(text)
+    if m is None:
+        raise ShardBad(f"{name} record {text[:16]!r} is not a number: torch.load cannot parse it")
+    digits = m[2].lstrip(b"0") or b"0"
+    value = int(digits) if len(digits) <= 20 else 1 << 64  # no int() of a 60-byte number
+    if value >= 1 << 64:
+        raise ShardBad(f"{name} record {text[:16]!r} is out of range: torch.load cannot parse it")
+    if m[1] == b"-":
+        value = -value % (1 << 64)
+    if value not in TORCH_FILE_VERSIONS:
+        raise ShardBad(
+            f"{name} record says format version {value}: torch.load reads "
+            f"{TORCH_FILE_VERSIONS.start} to {TORCH_FILE_VERSIONS.stop - 1}"
+        )

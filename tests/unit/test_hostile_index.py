@@ -25,6 +25,7 @@ from extraction.export_view import export_view
 from extraction.runner.resume import verified_done
 from extraction.shards.verify import verify_output
 from hsx.index import (
+    IndexEntry,
     append_index,
     decode_index_line,
     encode_index_line,
@@ -304,9 +305,7 @@ def _one_verdict_per_line(lines: list[bytes]):
         decode_index_line(line)  # never raises
     rows = index_rows(lines)
     if rows is not None:  # the fast path agrees with the replay
-        assert rows == {
-            sid: (sid, e.path, e.size, e.checksum, e.num_tokens) for sid, e in state.entries.items()
-        }
+        assert {sid: IndexEntry(*row) for sid, row in rows.items()} == state.entries
     return state
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from hsx.layout import (
     temp_name,
 )
 from hsx.torchpickle import read_tensor_pickle
-from hsx.verify.check import inspect_shard
+from hsx.verify.check import check_shard, inspect_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "module_utils" / "hsx"
@@ -60,6 +62,7 @@ def test_format_modules_import_only_the_standard_library(name):
         "errno",
         "hashlib",
         "importlib",
+        "io",
         "itertools",
         "json",
         "math",
@@ -212,3 +215,58 @@ def test_zip64_and_plain_end_records_are_both_read(tmp_path):
         assert inspect_shard(fd, expect()).num_tokens == 5
     finally:
         os.close(fd)
+
+
+def _with_version(path: Path, version: bytes, data_version: bytes | None = None) -> None:
+    """Rewrite a torch.save zip with its `version` record's bytes replaced, and with a
+    `.data/version` record (which torch reads instead of `version`) when given."""
+    src = zipfile.ZipFile(path)
+    buf = io.BytesIO()
+    stem = src.namelist()[0].split("/", 1)[0]
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as out:
+        for info in src.infolist():
+            out.writestr(info.filename, version if info.filename == f"{stem}/version" else src.read(info))
+        if data_version is not None:
+            out.writestr(f"{stem}/.data/version", data_version)
+    path.write_bytes(buf.getvalue())
+
+
+def _torch_loads(path: Path) -> bool:
+    try:
+        torch.load(path, weights_only=True)
+    except Exception:  # torch raises RuntimeError and others for a file it cannot read
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("version", "data_version"),
+    [
+        (b"3\n", None),
+        (b"+3 trailing", None),
+        (b"x\n", None),
+        (b"", None),
+        (b"0\n", None),
+        (b"11\n", None),
+        (b"-3\n", None),
+        (b"99999999999999999999999\n", None),
+        (b"00000000000000000000000003\n", None),
+        (b"\x0b\t 3", None),
+        (b"3\n", b"3\n"),
+        (b"3\n", b"x\n"),
+        (b"x\n", b"3\n"),
+    ],
+)
+@pytest.mark.parametrize("level", ["quick", "full"])
+def test_the_version_record_passes_exactly_when_torch_can_parse_it(tmp_path, version, data_version, level):
+    path = save(tmp_path / "v.pt", shard_dict())
+    _with_version(path, version, data_version)
+    loads = _torch_loads(path)
+    try:
+        check_shard(str(path), expect(), level)
+        passed, reason = True, ""
+    except ShardBad as e:
+        passed, reason = False, str(e)
+    assert passed == loads, f"torch.load {'reads' if loads else 'refuses'} it, {level} said {reason or 'ok'}"
+    if not passed:
+        assert "version record" in reason

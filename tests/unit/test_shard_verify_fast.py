@@ -544,6 +544,7 @@ def test_quick_keeps_two_layouts_of_one_size_on_the_fast_path(tmp_path, monkeypa
 def _rows_of(root: Path) -> dict[str, tuple]:
     return {
         e.sample_id: (e.sample_id, e.path, e.size, e.checksum, e.num_tokens)
+        + ((e.fingerprint,) if e.fingerprint is not None else ())
         for e in read_index(str(root)).entries.values()
     }
 
@@ -561,6 +562,8 @@ def test_index_rows_take_only_lines_written_by_us_and_agree_with_read_index(tmp_
         encode_index_line({**index_record(e), "size": True}),
         encode_index_line({**index_record(e), "removed": False}),  # another key
         encode_index_line({**index_record(e), "path": 7}),
+        encode_index_line({**index_record(e), "run_fp": 7}),  # a fingerprint that is no string
+        encode_index_line({k: v for k, v in index_record(e).items() if k != "run_fp"}),  # old and new
         lines[0][:-9] + lines[0][-9:-1].upper() + b"\n",  # a valid CRC in capitals
         lines[0][:-2] + b"x\n",  # a damaged line
         lines[0][:-1],  # a torn tail

@@ -34,7 +34,7 @@ from ..layout import (
     MANIFEST_NAME,
     SHARD_KEYS,
 )
-from ..manifest import ManifestError
+from ..manifest import ManifestError, manifest_fingerprint
 from ..torchpickle import MAX_PICKLE, TensorMeta, read_tensor_pickle
 from ..ziprecords import ShardReader, ZipRecord, read_zip_records
 
@@ -53,6 +53,7 @@ class Expect:
     num_aux: int
     dtype: str
     vocab_size: int | None = None
+    fingerprint: str | None = None  # run.json's (manifest_fingerprint): index entries must carry it
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], source: str = MANIFEST_NAME) -> Expect:
@@ -67,7 +68,7 @@ class Expect:
             raise ManifestError(f"{source}: hidden_size/layer_ids invalid")
         if dtype not in HIDDEN_DTYPES:
             raise ManifestError(f"{source}: dtype {dtype!r} is not one of {', '.join(HIDDEN_DTYPES)}")
-        return cls(hidden, len(layer_ids), dtype, vocab if _is_int(vocab) else None)
+        return cls(hidden, len(layer_ids), dtype, vocab if _is_int(vocab) else None, manifest_fingerprint(manifest))
 
 
 @dataclass
@@ -193,8 +194,7 @@ def _inspect(reader: ShardReader, expect: Expect) -> ShardInfo:
     pkl = by_name.get(f"{prefix}/data.pkl")
     if pkl is None:
         raise ShardBad("no data.pkl record")
-    if f"{prefix}/version" not in by_name:
-        raise ShardBad("no version record")
+    ziprecords.check_torch_version(reader, by_name, prefix)
     # Records are read only up to the size they can have: a size the directory declares is data.
     order = by_name.get(f"{prefix}/byteorder")
     if order is not None and (order.size != 6 or reader.read(order.data_offset, 6) != b"little"):

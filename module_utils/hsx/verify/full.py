@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from .. import ziprecords
 from ..index import IndexEntry, entry_problems, replay_index
-from ..manifest import ManifestError
+from ..manifest import ManifestError, check_fingerprints
 from .check import Expect, ShardInfo, check_batch
 from .report import BadShard, VerifyReport
 from .scan import list_shards
@@ -30,6 +30,8 @@ def verify_full(
     the report's counts and lists filled."""
     state = replay_index(lines)
     report.index_bad_lines = state.bad_lines
+    # Before any check, and so before anything moves: data of another run.json is refused whole.
+    check_fingerprints(output_dir, expect.fingerprint, (e.fingerprint for e in state.entries.values()))
     try:
         on_disk = list_shards(output_dir, report.orphans)
     except PermissionError as e:

@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Callable
 
+from ..fsutil import LinkRefused
 from ..index import read_index_lines
 from ..layout import INDEX_NAME, MANIFEST_NAME
 from ..manifest import ManifestError, read_manifest_dict
@@ -47,6 +48,8 @@ def verify_output(
         lines = read_index_lines(output_dir)
     except PermissionError as e:
         raise ManifestError(f"{os.path.join(output_dir, INDEX_NAME)}: cannot read: {e.strerror}") from None
+    except LinkRefused as e:  # a link or a FIFO at index.jsonl: never followed, never waited on
+        raise ManifestError(str(e)) from None
     if level == "quick":
         problems, rows = verify_quick(output_dir, expect, lines, report, workers, progress)
         add_problems(report, problems, {p[0]: rows[p[0]][0] for p in problems if p[0] in rows})

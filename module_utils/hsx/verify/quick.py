@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from ..index import IndexRow, entry_problems, index_rows, replay_index
 from ..layout import are_shard_relpaths
-from ..manifest import ManifestError
+from ..manifest import ManifestError, check_fingerprints
 from .check import Expect
 from .pool import reap
 from .quick_split import quick_split
@@ -52,8 +52,13 @@ def verify_quick(
             if why is not None:
                 report.bad.append(BadShard(sid, entry.path, why))
             else:
-                row = (sid, entry.path, entry.size, entry.checksum, entry.num_tokens)
+                row = (sid, entry.path, entry.size, entry.checksum, entry.num_tokens, entry.fingerprint)
                 entries[sid] = by_path[entry.path] = row
+        fingerprints = [e.fingerprint for e in state.entries.values()]
+    else:  # every live entry is a row (5 fields before the fingerprint, 6 with it)
+        fingerprints = [row[5] if len(row) > 5 else None for row in entries.values()]
+    # Before any check, and so before anything moves: data of another run.json is refused whole.
+    check_fingerprints(output_dir, expect.fingerprint, fingerprints)
     try:
         buckets = list_buckets(output_dir, report.orphans)
     except PermissionError as e:
