@@ -29,6 +29,7 @@ from extraction.backends.base import Sample
 
 ROLE_NAMES = {
     "system": "system",
+    "developer": "system",  # OpenAI's newer name for the system turn
     "user": "user",
     "human": "user",
     "assistant": "assistant",
@@ -118,8 +119,57 @@ def _content_text(content: Any, where: str) -> str:
     raise ValueError(f"{where}: content must be a string, got {type(content).__name__}")
 
 
-def normalize_row(row: Any) -> tuple[str | None, list[dict[str, str]]]:
-    """(given id or None, [{role, content}]) from either shape; ValueError says what is wrong."""
+# Keys of an OpenAI turn passed on to the chat template besides role and content: a tool call and
+# its answer, which templates that know tools render (one that does not ignores them).
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
+def _valid_json(value: Any, where: str) -> Any:
+    """`value` (a row's JSON), when every string in it is valid Unicode; ValueError otherwise."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{where} holds a lone surrogate: not valid Unicode text; fix or drop the row"
+        ) from None
+    return value
+
+
+def _message(turn: Any, where: str, role_key: str, text_key: str) -> dict[str, Any]:
+    """One turn as {role, content[, tool keys]}; ValueError says what is wrong.
+
+    Tool use (OpenAI shape): an assistant turn that only calls tools has `content` null or absent
+    (kept as "" beside its `tool_calls`, a list of objects); a `tool` turn answers with its
+    `tool_call_id`/`name`. Those keys go to the chat template as given (TOOL_KEYS)."""
+    if not isinstance(turn, dict):
+        raise ValueError(f"{where} must be an object")
+    tool_calls = turn.get("tool_calls")
+    if tool_calls is not None and (
+        not isinstance(tool_calls, list) or not tool_calls or not all(isinstance(c, dict) for c in tool_calls)
+    ):
+        raise ValueError(f"{where}: tool_calls must be a list of objects, got {_brief(tool_calls)}")
+    if role_key not in turn or (text_key not in turn and tool_calls is None):
+        raise ValueError(f"{where} needs '{role_key}' and '{text_key}'")
+    given_role = turn[role_key]
+    role = ROLE_NAMES.get(given_role.lower()) if isinstance(given_role, str) else None
+    if role is None:
+        raise ValueError(f"{where}: unknown role {_brief(given_role)}")
+    raw = turn.get(text_key)
+    if raw is None and (tool_calls is not None or role == "tool"):
+        raw = ""
+    message: dict[str, Any] = {
+        "role": role,
+        "content": _valid_text(_content_text(raw, where), f"{where}.{text_key}"),
+    }
+    for key in TOOL_KEYS:
+        if turn.get(key) is not None:
+            message[key] = _valid_json(turn[key], f"{where}.{key}")
+    return message
+
+
+def normalize_row(row: Any) -> tuple[str | None, list[dict[str, Any]]]:
+    """(given id or None, [{role, content[, tool keys]}]) from either shape; ValueError says what
+    is wrong. At least one assistant turn must hold something to train on (text or a tool call)."""
     if not isinstance(row, dict):
         raise ValueError(f"row must be a JSON object, got {type(row).__name__}")
     if "conversations" in row:
@@ -130,19 +180,7 @@ def normalize_row(row: Any) -> tuple[str | None, list[dict[str, str]]]:
         raise ValueError("row has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"'{shape}' must be a non-empty list")
-    messages = []
-    for i, turn in enumerate(turns):
-        where = f"{shape}[{i}]"
-        if not isinstance(turn, dict):
-            raise ValueError(f"{where} must be an object")
-        if role_key not in turn or text_key not in turn:
-            raise ValueError(f"{where} needs '{role_key}' and '{text_key}'")
-        given_role = turn[role_key]
-        role = ROLE_NAMES.get(given_role.lower()) if isinstance(given_role, str) else None
-        if role is None:
-            raise ValueError(f"{where}: unknown role {_brief(given_role)}")
-        content = _valid_text(_content_text(turn[text_key], where), f"{where}.{text_key}")
-        messages.append({"role": role, "content": content})
+    messages = [_message(turn, f"{shape}[{i}]", role_key, text_key) for i, turn in enumerate(turns)]
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant turn: nothing to train on")
     given = row.get("id")
@@ -150,6 +188,10 @@ def normalize_row(row: Any) -> tuple[str | None, list[dict[str, str]]]:
         if isinstance(given, bool) or not isinstance(given, str | int) or str(given).strip() == "":
             raise ValueError(f"'id' must be a non-empty string or integer, got {_brief(given)}")
         given = _valid_text(str(given), "'id'")
+    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
+        raise ValueError(
+            "every assistant turn is empty: nothing to train on (fill the assistant's reply or drop the row)"
+        )
     return given, messages
 
 
