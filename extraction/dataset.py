@@ -9,22 +9,30 @@ deep, a lone surrogate such as JSON's "\\ud83d" - half an emoji, common in scrap
 in its text or id) becomes one RowError in the scan and never an exception: every string the scan
 lets through (ids, message contents) is valid Unicode, so hashing, node assignment, shard names,
 the tokenizer and errors.jsonl can encode it without a check of their own.
+
+A row is bounded: one longer than --max-row-bytes is a row error, read past in pieces, never parsed
+(DEFAULT_MAX_ROW_BYTES); the dataset is opened without blocking (a FIFO is refused, not waited on).
+With a token bound, a long rendered text is cut before it is tokenized (ChatTokenizer._cut_point).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
 import os
+import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
+from extraction import config
 from extraction.backends.base import Sample
 
 ROLE_NAMES = {
@@ -40,6 +48,17 @@ ROLE_NAMES = {
     "tool": "tool",
     "function": "tool",
 }
+
+
+# A row longer than this (bytes, without its newline) is a row error, never parsed or tokenized:
+# parsing and rendering cost a multiple of its size (a 20 MB row reached 9.3 GB). A few MiB hold a
+# conversation far past any model's context (128k tokens are ~0.5 MiB of text). --max-row-bytes.
+DEFAULT_MAX_ROW_BYTES = config.DEFAULT_MAX_ROW_BYTES
+_SKIP_CHUNK = 1 << 20  # an over-long row is read past in pieces of this size
+# Tokens beyond --max-length tokenized before the cut text is trusted to hold the first ones (see
+# ChatTokenizer._cut_point).
+CUT_SLACK_TOKENS = 64
+_SPLIT = re.compile(r"\S(?=\s)")  # a non-space character followed by whitespace: cut after it
 
 
 class RowError(ValueError):
@@ -231,16 +250,61 @@ def parse_line(raw: bytes, line: int) -> Conversation:
     return Conversation(given if given is not None else content_id(messages), messages, line)
 
 
-def scan_dataset(path: str | os.PathLike) -> DatasetScan:
-    """Read the file once: valid rows' ids and offsets, row errors (incl. duplicate ids), sha256."""
+def _bounded_lines(f: BinaryIO, limit: int, digest: Any) -> Iterator[tuple[int, bytes | None, int, int]]:
+    """(offset, line, size with its newline, length without) for each line of `f`, every byte into
+    `digest`; `line` is None when its length is over `limit`: it is then read past in pieces, so no
+    more than `limit` + a piece is ever in memory for one line."""
+    offset = 0
+    while True:
+        raw = f.readline(limit + 2)
+        if not raw:
+            return
+        digest.update(raw)
+        size, last = len(raw), raw
+        if size == limit + 2 and not raw.endswith(b"\n"):  # longer still: skip to its end
+            while True:
+                more = f.readline(_SKIP_CHUNK)
+                digest.update(more)
+                size += len(more)
+                last = more or last
+                if not more or more.endswith(b"\n"):
+                    break
+        length = size - last.endswith(b"\n")
+        yield offset, (raw if length <= limit else None), size, length
+        offset += size
+
+
+def open_dataset(path: str | os.PathLike) -> BinaryIO:
+    """The dataset for reading: the path the operator named (a link there is followed: it is their
+    choice), never blocking on a FIFO, and it must be a regular file (OSError otherwise, naming it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def scan_dataset(path: str | os.PathLike, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> DatasetScan:
+    """Read the file once: valid rows' ids and offsets, row errors (incl. duplicate ids and rows
+    over `max_row_bytes`), sha256 of the whole file."""
     scan = DatasetScan(path=os.fspath(path))
     digest = hashlib.sha256()
     first_line: dict[str, int] = {}
-    offset = 0
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            digest.update(raw)
-            start, offset = offset, offset + len(raw)
+    with open_dataset(path) as f:
+        for line_no, (start, raw, _size, length) in enumerate(
+            _bounded_lines(f, max_row_bytes, digest), start=1
+        ):
+            if raw is None:
+                reason = (
+                    f"row is {length} bytes, over the {max_row_bytes}-byte bound (--max-row-bytes): "
+                    "split the conversation or raise the bound"
+                )
+                scan.errors.append(RowError(line_no, reason))
+                continue
             if not raw.strip():
                 continue
             try:
@@ -266,12 +330,15 @@ def scan_dataset(path: str | os.PathLike) -> DatasetScan:
     return scan
 
 
-def read_conversations(path: str | os.PathLike, entries: list[DatasetEntry]) -> Iterator[Conversation]:
-    """The conversations of `entries`, re-read from their offsets (in the order given)."""
-    with open(path, "rb") as f:
+def read_conversations(
+    path: str | os.PathLike, entries: list[DatasetEntry], max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
+) -> Iterator[Conversation]:
+    """The conversations of `entries`, re-read from their offsets (in the order given); a line is
+    read up to `max_row_bytes` (the scan's bound), however the file changed since."""
+    with open_dataset(path) as f:
         for e in entries:
             f.seek(e.offset)
-            yield parse_line(f.readline(), e.line)
+            yield parse_line(f.readline(max_row_bytes + 2), e.line)
 
 
 # ---------------------------------------------------------------- tokenization
@@ -343,6 +410,9 @@ class ChatTokenizer:
         self._backend_checked = False
         self._batched_render = True
         self._render_checked = False
+        self._chars_per_token: int | None = None  # the vocabulary's longest token, in characters
+        self._cut_checked = False  # the first cut text was compared with the whole text's tokens
+        self._cut_ok = True
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -429,11 +499,43 @@ class ChatTokenizer:
             self._backend_checked = True
         return ids, offsets
 
+    def _cut_point(self, text: str) -> int | None:
+        """Where `text` may be cut before tokenizing without changing its first max_length tokens,
+        or None (no bound, no cut needed or none found, a slow tokenizer, or cuts found unsafe).
+
+        Why it is safe: no token covers more characters than the vocabulary's longest token (L),
+        so the first N = max_length + CUT_SLACK_TOKENS tokens lie within the first N * L characters.
+        The cut is at the first place after that where a non-space character is followed by
+        whitespace: the pre-tokenizers of byte-level BPE and SentencePiece tokenizers split there,
+        and tokens never cross such a split, so every token before the cut is the whole text's.
+        A normalizer that drops characters would break the first argument, so the first cut is
+        checked against the whole text's tokens (encode) and cuts are given up if they differ."""
+        if self.max_length is None or not self.use_offsets or not self._cut_ok:
+            return None
+        if self._chars_per_token is None:
+            vocab = self.tokenizer.get_vocab()
+            self._chars_per_token = max((len(t) for t in vocab), default=1) or 1
+        at = (self.max_length + CUT_SLACK_TOKENS) * self._chars_per_token
+        if len(text) <= at + 1:
+            return None
+        split = _SPLIT.search(text, at - 1, 2 * at + (1 << 16))  # a split within reach
+        return split.end() if split is not None else None
+
     def encode(self, conv: Conversation) -> Sample:
         text, befores, uptos = self._render_all(conv.messages)
         spans = self.assistant_spans(conv.messages, text, (befores, uptos))
+        cut = self._cut_point(text)
+        if cut is not None and not self._cut_checked:  # once: the cut must change no kept token
+            whole, cut_ids = self._ids_and_offsets(text), self._ids_and_offsets(text[:cut])
+            n = self.max_length or 0
+            self._cut_ok = list(whole[0][:n]) == list(cut_ids[0][:n]) and len(cut_ids[0]) > n
+            self._cut_ok = self._cut_ok and [tuple(o) for o in whole[1][:n]] == [
+                tuple(o) for o in cut_ids[1][:n]
+            ]
+            self._cut_checked = True
+            cut = cut if self._cut_ok else None
         if self.use_offsets:
-            ids, offsets = self._ids_and_offsets(text)
+            ids, offsets = self._ids_and_offsets(text if cut is None else text[:cut])
             mask_t = _span_mask(offsets, spans)
         else:  # slow tokenizers have no offsets: tokenize piece by piece at span boundaries
             ids, mask, pos = [], [], 0
@@ -445,8 +547,8 @@ class ChatTokenizer:
                         mask += [flag] * len(got)
                 pos = e1
             mask_t = torch.tensor(mask, dtype=torch.long)
-        full = len(ids)
-        truncated = self.max_length is not None and full > self.max_length
+        full = len(ids) if cut is None else None  # the whole text's count is unknown after a cut
+        truncated = self.max_length is not None and len(ids) > self.max_length
         if truncated:
             ids, mask_t = ids[: self.max_length], mask_t[: self.max_length].clone()
         if not ids:

@@ -65,5 +65,5 @@ def iter_batches_for_bench(
     """The runner's own batch plan over `entries`, tokenized on the calling thread: what the
     benchmarks run a bare forward loop over, to compare it with the runner."""
     for window in plan_windows(entries, cfg.batch_size):
-        samples = [tokenizer.encode(c) for c in read_conversations(cfg.dataset, window)]
+        samples = [tokenizer.encode(c) for c in read_conversations(cfg.dataset, window, cfg.max_row_bytes)]
         yield from batches_of_window(samples, cfg.batch_size)

@@ -111,7 +111,7 @@ class Producer:
             if all(e.sample_id in done for e in window):
                 continue
             samples = []
-            for conv in read_conversations(self.cfg.dataset, window):
+            for conv in read_conversations(self.cfg.dataset, window, self.cfg.max_row_bytes):
                 try:
                     samples.append(tokenizer.encode(conv))
                 except Exception as e:  # a template that cannot render this row: a data problem

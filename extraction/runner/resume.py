@@ -96,7 +96,7 @@ def load_inputs(cfg: ExtractConfig) -> RunInputs:
         layer_ids = layer_mod.parse_layers(cfg.layers, model_cfg["num_layers"], cfg.layer_convention)
     except layer_mod.LayerSpecError as e:
         raise RunError(f"--layers: {e}") from None
-    scan = scan_dataset(cfg.dataset)
+    scan = scan_dataset(cfg.dataset, cfg.max_row_bytes)
     try:
         tokenizer = load_tokenizer(cfg.model)
     except Exception as e:

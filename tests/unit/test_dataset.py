@@ -289,3 +289,38 @@ def test_odd_tool_fields_are_row_errors(tmp_path: Path) -> None:
     assert "content must be a string" in reasons[1]
     assert "tool_calls must be a list of objects" in reasons[2]
     assert "lone surrogate" in reasons[3]
+
+
+def test_a_row_over_the_byte_bound_is_a_row_error_and_never_read_whole(tmp_path: Path) -> None:
+    small = {"messages": MSGS[:3]}
+    big = {"messages": [MSGS[1], {"role": "assistant", "content": "x" * 5000}]}
+    ds = _write(tmp_path / "d.jsonl", [small, big, {"id": 3, **SHAREGPT}])
+    (tmp_path / "tail.jsonl").write_bytes(ds.read_bytes() + b'{"messages": "' + b"y" * 9000)  # no newline
+    for path in (ds, tmp_path / "tail.jsonl"):
+        scan = scan_dataset(path, max_row_bytes=4096)
+        assert [e.line for e in scan.entries] == [1, 3]
+        reasons = {e.line: e.reason for e in scan.errors}
+        size = len(json.dumps(big))
+        assert reasons[2] == (
+            f"row is {size} bytes, over the 4096-byte bound (--max-row-bytes): split the conversation or raise the bound"
+        )
+        assert scan.sha256 == __import__("hashlib").sha256(path.read_bytes()).hexdigest()
+        assert [c.sample_id for c in read_conversations(path, scan.entries)] == [content_id(MSGS[:3]), "3"]
+    assert [e.line for e in scan_dataset(tmp_path / "tail.jsonl", max_row_bytes=4096).errors] == [2, 4]
+    assert scan_dataset(ds).errors == []  # the default bound (DEFAULT_MAX_ROW_BYTES) is MiBs
+
+
+def test_a_long_text_is_cut_before_it_is_tokenized_with_the_same_tokens(tok) -> None:
+    long_reply = " ".join(f"word{i} and more." for i in range(4000))  # ~70k characters
+    conv = Conversation("x", [MSGS[1], {"role": "assistant", "content": long_reply}], 1)
+    full = ChatTokenizer(tok).encode(conv)
+    ct = ChatTokenizer(tok, max_length=50)
+    seen: list[int] = []
+    real = ct._ids_and_offsets
+    ct._ids_and_offsets = lambda text: (seen.append(len(text)), real(text))[1]  # type: ignore[method-assign]
+    for _ in range(2):  # the first cut is checked against the whole text, later ones are trusted
+        cut = ct.encode(conv)
+        assert cut.input_ids.tolist() == full.input_ids[:50].tolist()
+        assert cut.loss_mask.tolist() == full.loss_mask[:50].tolist()
+        assert cut.truncated and cut.meta["num_tokens_full"] is None
+    assert max(seen[1:]) < 5000 < len(long_reply), seen  # only the start of the text was tokenized
