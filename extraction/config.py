@@ -162,7 +162,9 @@ _HELP = {
     "device": "hf backend device (cpu, cuda, cuda:1)",
     "cpu_threads": "torch threads for the forward on a CPU device; default: every core but one per writer "
     "thread and one for the tokenizer (or OMP_NUM_THREADS when set)",
-    "max_length": "truncate samples to this many tokens (recorded per sample)",
+    "max_length": "cut samples to this many tokens; default: the model's context (config.json's "
+    "max_position_embeddings), each sample cut by it recorded in errors.jsonl (kind truncated). A resume "
+    "may tighten it (samples done keep theirs; run.json's bound_history records it), never loosen it",
     "max_row_bytes": "a dataset row (JSONL line) longer than this many bytes is a row error, never parsed "
     "(e.g. 16M; default 8M)",
     "batch_size": "samples per forward (hf); sglang: the plan's unit only (requests stream, --concurrency in flight)",

@@ -38,7 +38,7 @@ from extraction.runner.metrics import MetricsReporter, run_info
 from extraction.runner.plan import node_samples, plan_windows
 from extraction.runner.produce import Producer, tokenize_ahead_batches
 from extraction.runner.publish import default_writer_threads, make_publisher
-from extraction.runner.resume import ITEMSIZE, load_inputs, open_output, verified_done
+from extraction.runner.resume import ITEMSIZE, load_inputs, open_output, update_run_json, verified_done
 from extraction.runner.stream import Stream, streams
 from extraction.runner.timing import minor_faults, new_timings, record_usage, thread_usage
 from hsx.exitcodes import EXIT_FAILED
@@ -81,6 +81,7 @@ class Runner:
         inputs = load_inputs(cfg)
         self.model_cfg, self.layer_ids, self.scan = inputs.model_cfg, inputs.layer_ids, inputs.scan
         self.tokenizer, self.manifest = inputs.tokenizer, inputs.manifest
+        self.bound_change = inputs.bound_change
         self.itemsize = ITEMSIZE[self.manifest.dtype]
         self.writer = open_output(cfg.output, self.manifest, self.output_lock, self.log)
         self.assigned = node_samples(self.scan.entries, cfg)
@@ -95,7 +96,7 @@ class Runner:
                 f"will be redone ({self.resume_seconds:.1f}s)"
             )
         estimate = estimate_shard_bytes(
-            cfg.max_length or 0, self.manifest.hidden_size, self.manifest.num_aux, self.itemsize
+            self.tokenizer.max_length or 0, self.manifest.hidden_size, self.manifest.num_aux, self.itemsize
         )
         self.guard = life.guard = DiskGuard(cfg.output, cfg.reserve_bytes, estimate)
         self.batch_publisher = BatchPublisher(self.writer, self.guard, self.itemsize)
@@ -188,6 +189,13 @@ class Runner:
             tm["ready_faults_at"] = minor_faults()
             tm["model_load_s"] = tm["ready_at"] - t0
             check_backend(self.backend, self.manifest, cfg)
+            if self.bound_change is not None:
+                update_run_json(cfg.output, self.manifest)
+                old, new = self.bound_change["from"], self.bound_change["to"]
+                self.log(
+                    f"max_length: bound tightened from {old if old is not None else 'none'} to {new} tokens: "
+                    f"samples already done keep theirs, new ones are cut at {new} (run.json: bound_history)"
+                )
             reporter.set_state("running")
             reporter.write()
             status_thread = StatusThread(reporter, cfg.status_interval, life.refresh_free)

@@ -3,7 +3,12 @@
 Contract:
 - `load_inputs` reads the model's config, the capture layers, the dataset (one scan: ids,
   offsets, row errors, hash) and the tokenizer, and builds the run's manifest (run.json). It
-  writes nothing; a bad input or an output holding a run with another --max-length is a RunError.
+  writes nothing; a bad input is a RunError.
+- The token bound (`token_bound`): --max-length, else the model's context; a longer sample is cut
+  to it. run.json's extra records it (`token_bound`). A resume may tighten it (`check_bound`):
+  samples already done keep theirs (they were within the old bound), new ones are cut at the new
+  one, and the change goes to extra's `bound_history` (written by `update_run_json` once the run
+  can start). Loosening it is refused: the output would hold samples cut at two bounds silently.
 - `open_output` takes the output's lock before anything there is written or removed, then opens
   the shard writer, which refuses an output whose run.json differs from the manifest (RunError,
   nothing written) and writes run.json for a new one; it ends a torn last index line and removes
@@ -43,7 +48,8 @@ from hsx.exitcodes import EXIT_FAILED, EXIT_PAUSED, EXIT_USAGE
 from hsx.fsutil import nofollow_opener
 from hsx.index import entry_problems, read_index
 from hsx.layout import INDEX_NAME, MANIFEST_NAME
-from hsx.manifest import ManifestError, RunManifest, read_manifest_dict
+from hsx.manifest import ManifestError, RunManifest, read_manifest, read_manifest_dict, write_manifest
+from hsx.status import now_iso
 from hsx.verify import Expect, check_shard
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -59,6 +65,7 @@ class RunInputs:
     scan: DatasetScan
     tokenizer: ChatTokenizer
     manifest: RunManifest
+    bound_change: dict[str, Any] | None = None  # a tightened token bound, for run.json's history
 
 
 def read_model_config(model_dir: str) -> dict[str, Any]:
@@ -83,6 +90,15 @@ def read_model_config(model_dir: str) -> dict[str, Any]:
         raise RunError(f"{path}: model config lacks {e}") from None
 
 
+def token_bound(cfg: ExtractConfig, model_cfg: dict[str, Any]) -> int:
+    """The most tokens a sample has: --max-length when given, else the model's context, which is
+    config.json's max_position_embeddings (the positions the model was built for; a tokenizer's
+    model_max_length is often a placeholder such as 1e30, so it is not used), or UNTRUNCATED_TOKENS
+    where config.json names none. A longer sample is cut to it, never refused: its start is still
+    what the drafter trains on; the cut is recorded per sample when the bound is the default."""
+    return cfg.max_length or model_cfg["max_positions"]
+
+
 def load_inputs(cfg: ExtractConfig) -> RunInputs:
     """The run's inputs and manifest (see the module's contract)."""
     if not os.path.isdir(cfg.model):
@@ -103,13 +119,19 @@ def load_inputs(cfg: ExtractConfig) -> RunInputs:
         raise RunError(f"cannot load the tokenizer from {cfg.model}: {e}") from None
     if chat_template_of(tokenizer) is None:
         raise RunError(f"{cfg.model}: the tokenizer has no chat template")
-    manifest = build_manifest(cfg, model_cfg, layer_ids, tokenizer, scan.sha256)
-    check_extra(cfg.output, manifest)
-    return RunInputs(model_cfg, layer_ids, scan, ChatTokenizer(tokenizer, cfg.max_length), manifest)
+    bound = token_bound(cfg, model_cfg)
+    manifest = build_manifest(cfg, model_cfg, layer_ids, tokenizer, scan.sha256, bound)
+    change = check_bound(cfg.output, manifest)
+    return RunInputs(model_cfg, layer_ids, scan, ChatTokenizer(tokenizer, bound), manifest, change)
 
 
 def build_manifest(
-    cfg: ExtractConfig, model_cfg: dict[str, Any], layer_ids: list[int], tokenizer: Any, ds_hash: str
+    cfg: ExtractConfig,
+    model_cfg: dict[str, Any],
+    layer_ids: list[int],
+    tokenizer: Any,
+    ds_hash: str,
+    bound: int | None = None,
 ) -> RunManifest:
     from extraction.backends.hf import model_revision
 
@@ -129,6 +151,7 @@ def build_manifest(
         dataset_hash=ds_hash,
         extra={
             "max_length": cfg.max_length,
+            "token_bound": bound if bound is not None else token_bound(cfg, model_cfg),
             "model_dir": os.path.abspath(cfg.model),
             "dataset_file": os.path.abspath(cfg.dataset),
             "backend": cfg.backend,
@@ -138,18 +161,44 @@ def build_manifest(
     )
 
 
-def check_extra(output: str, manifest: RunManifest) -> None:
-    """max_length changes what a shard holds but is not a manifest field: compare it here."""
+def check_bound(output: str, manifest: RunManifest) -> dict[str, Any] | None:
+    """The token bound against the one the output's run.json records (see the module's contract):
+    None when it is the same (or the output is new), the change when it is tighter (also put into
+    `manifest.extra["bound_history"]`); RunError when it is looser. A run.json without
+    `token_bound` (written before the default bound) holds its --max-length as its bound, None
+    for none."""
     path = os.path.join(output, MANIFEST_NAME)
     if not os.path.exists(path):
-        return
-    existing = read_manifest_dict(output)
-    extra = existing.get("extra") or {}
-    if "max_length" in extra and extra["max_length"] != manifest.extra["max_length"]:
+        return None
+    try:
+        extra = read_manifest_dict(output).get("extra")
+    except ManifestError as e:
+        raise RunError(f"{e}; use another --output, or move the output aside if it is not a run") from None
+    extra = extra if isinstance(extra, dict) else {}
+    old = extra["token_bound"] if "token_bound" in extra else extra.get("max_length")
+    new = manifest.extra["token_bound"]
+    history = extra.get("bound_history")
+    manifest.extra["bound_history"] = list(history) if isinstance(history, list) else []
+    if old == new:
+        return None
+    if old is not None and (isinstance(old, bool) or not isinstance(old, int) or new > old):
         raise RunError(
-            f"{output} holds a different run: max_length: existing run has "
-            f"{extra['max_length']!r}, this run wants {manifest.extra['max_length']!r}"
+            f"refusing to resume: {output} holds a different run: max_length: the existing run cuts "
+            f"samples at {old!r} tokens, this run would allow {new} (samples cut at two bounds in one "
+            f"output): rerun with --max-length {old!r} (or lower), or use another --output"
         )
+    change = {"at": now_iso(), "from": old, "to": new}
+    manifest.extra["bound_history"].append(change)
+    return change
+
+
+def update_run_json(output: str, manifest: RunManifest) -> None:
+    """Record a tightened token bound in the output's run.json (its extra's max_length,
+    token_bound and bound_history); every other field as it is there."""
+    existing = read_manifest(output)
+    keys = ("max_length", "token_bound", "bound_history")
+    existing.extra = {**existing.extra, **{k: manifest.extra[k] for k in keys}}
+    write_manifest(output, existing)
 
 
 def open_output(

@@ -716,15 +716,3 @@ def test_tokenizer_process_killed_fails_the_run_with_the_reason(
     monkeypatch.setattr(ChatTokenizer, "encode", real)
     assert run(make_cfg(tiny_model_dir, dataset, out, batch_size=1), backend) == EXIT_OK
     assert_complete(out, ids)
-
-
-def test_a_row_over_max_row_bytes_is_a_row_error_and_the_run_goes_on(tiny_model_dir, backend, tmp_path) -> None:
-    good = write_tiny_dataset(tmp_path / "g.jsonl", 3, seed=1).read_text().splitlines()
-    big = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a " * 2000}]})
-    ds = tmp_path / "d.jsonl"
-    ds.write_text("\n".join([good[0], big, *good[1:]]) + "\n")
-    out = tmp_path / "out"
-    assert run(make_cfg(tiny_model_dir, ds, out, max_row_bytes="2K"), backend) == EXIT_OK
-    (err,) = [json.loads(x) for x in (out / ERRORS_NAME).read_text().splitlines()]
-    assert (err["kind"], err["line"]) == ("row", 2) and "over the 2048-byte bound (--max-row-bytes)" in err["reason"]
-    assert len(load_index(str(out))) == 3
