@@ -17,13 +17,11 @@ With a token bound, a long rendered text is cut before it is tokenized (ChatToke
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import itertools
 import json
 import os
 import re
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +32,7 @@ import torch
 
 from extraction import config
 from extraction.backends.base import Sample
+from extraction.preflight import open_regular_file
 
 ROLE_NAMES = {
     "system": "system",
@@ -275,17 +274,9 @@ def _bounded_lines(f: BinaryIO, limit: int, digest: Any) -> Iterator[tuple[int, 
 
 
 def open_dataset(path: str | os.PathLike) -> BinaryIO:
-    """The dataset for reading: the path the operator named (a link there is followed: it is their
-    choice), never blocking on a FIFO, and it must be a regular file (OSError otherwise, naming it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    """The dataset for reading (preflight.open_regular_file: a regular file, never blocking on a
+    FIFO; OSError naming it otherwise)."""
+    return os.fdopen(open_regular_file(path), "rb")
 
 
 def scan_dataset(path: str | os.PathLike, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> DatasetScan:

@@ -26,7 +26,6 @@ from extraction.dataset import ChatTokenizer, DatasetEntry, read_conversations
 WINDOW_BATCHES = 16  # a planning window holds this many batches' worth of samples
 # Batches buffered between the stages: forward -> publisher, and at least this many tokenized ahead.
 QUEUE_BATCHES = 4
-UNTRUNCATED_TOKENS = 32768  # a sample's size when neither --max-length nor the model says
 
 
 def assigned_to(sample_id: str, shard_index: int, num_shards: int) -> bool:

@@ -35,9 +35,10 @@ from extraction.childgen import ChildFailed, ChildGenerator
 from extraction.config import ExtractConfig
 from extraction.dataset import ChatTokenizer, DatasetEntry, RowError, read_conversations
 from extraction.outputlock import OutputLock
+from extraction.preflight import UNTRUNCATED_TOKENS
 from extraction.publisher import Work
 from extraction.runner.lifecycle import Lifecycle
-from extraction.runner.plan import QUEUE_BATCHES, UNTRUNCATED_TOKENS, batches_of_window
+from extraction.runner.plan import QUEUE_BATCHES, batches_of_window
 from extraction.runner.timing import record_usage, thread_usage
 
 # Token tensors (ids + mask, int64) the tokenizer may hold ahead of the forward (the batch queue). It

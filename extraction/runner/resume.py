@@ -11,7 +11,9 @@ Contract:
   can start). Loosening it is refused: the output would hold samples cut at two bounds silently.
 - `open_output` takes the output's lock before anything there is written or removed, then opens
   the shard writer, which refuses an output whose run.json differs from the manifest (RunError,
-  nothing written) and writes run.json for a new one; it ends a torn last index line and removes
+  nothing written; every refusal says what to do next) and leaves a new output's run.json to
+  `writer.commit_manifest()`, which the runner calls once the run can start (the backend loaded
+  and checked); it ends a torn last index line and removes
   the temp files an interrupted writer left. A full disk here is a pause (exit 75).
 - `verified_done`: the samples whose shard is indexed at its own shard path (hsx.index.entry_problems,
   the rule `hsx verify` applies) AND passes the `quick` check; any other indexed sample is recorded
@@ -21,7 +23,6 @@ Contract:
 from __future__ import annotations
 
 import errno
-import json
 import os
 import socket
 from collections.abc import Callable
@@ -40,14 +41,14 @@ from extraction.dataset import (
     tokenizer_hash,
 )
 from extraction.outputlock import OutputBusy, OutputLock
+from extraction.preflight import InputError, check_inputs
 from extraction.runner.lifecycle import RunError
-from extraction.runner.plan import UNTRUNCATED_TOKENS
 from extraction.shards import ManifestMismatchError, ShardWriter
 from hsx.errors import ShardBad, ShardIOError
 from hsx.exitcodes import EXIT_FAILED, EXIT_PAUSED, EXIT_USAGE
-from hsx.fsutil import nofollow_opener
+from hsx.fsutil import LinkRefused, nofollow_opener
 from hsx.index import entry_problems, read_index
-from hsx.layout import INDEX_NAME, MANIFEST_NAME
+from hsx.layout import INDEX_NAME, MANIFEST_NAME, SHARDS_DIR
 from hsx.manifest import ManifestError, RunManifest, read_manifest, read_manifest_dict, write_manifest
 from hsx.status import now_iso
 from hsx.verify import Expect, check_shard
@@ -68,28 +69,6 @@ class RunInputs:
     bound_change: dict[str, Any] | None = None  # a tightened token bound, for run.json's history
 
 
-def read_model_config(model_dir: str) -> dict[str, Any]:
-    """hidden size, layers, vocab from config.json (a text_config inside wins for VLM wrappers)."""
-    path = os.path.join(model_dir, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except OSError as e:
-        raise RunError(f"{path}: cannot read model config: {e.strerror}") from None
-    except ValueError as e:
-        raise RunError(f"{path}: invalid JSON: {e}") from None
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-    try:
-        return {
-            "hidden_size": int(text["hidden_size"]),
-            "num_layers": int(text["num_hidden_layers"]),
-            "vocab_size": int(text["vocab_size"]) if text.get("vocab_size") else None,
-            "max_positions": int(text.get("max_position_embeddings") or UNTRUNCATED_TOKENS),
-        }
-    except (KeyError, TypeError, ValueError) as e:
-        raise RunError(f"{path}: model config lacks {e}") from None
-
-
 def token_bound(cfg: ExtractConfig, model_cfg: dict[str, Any]) -> int:
     """The most tokens a sample has: --max-length when given, else the model's context, which is
     config.json's max_position_embeddings (the positions the model was built for; a tokenizer's
@@ -101,17 +80,10 @@ def token_bound(cfg: ExtractConfig, model_cfg: dict[str, Any]) -> int:
 
 def load_inputs(cfg: ExtractConfig) -> RunInputs:
     """The run's inputs and manifest (see the module's contract)."""
-    if not os.path.isdir(cfg.model):
-        raise RunError(f"--model {cfg.model}: not a directory")
-    if not os.path.isfile(cfg.dataset):
-        raise RunError(f"--dataset {cfg.dataset}: not a file")
-    if os.path.exists(cfg.output) and not os.path.isdir(cfg.output):
-        raise RunError(f"--output {cfg.output}: exists and is not a directory")
-    model_cfg = read_model_config(cfg.model)
     try:
-        layer_ids = layer_mod.parse_layers(cfg.layers, model_cfg["num_layers"], cfg.layer_convention)
-    except layer_mod.LayerSpecError as e:
-        raise RunError(f"--layers: {e}") from None
+        model_cfg, layer_ids = check_inputs(cfg)
+    except InputError as e:
+        raise RunError(str(e)) from None
     scan = scan_dataset(cfg.dataset, cfg.max_row_bytes)
     try:
         tokenizer = load_tokenizer(cfg.model)
@@ -212,17 +184,25 @@ def open_output(
         if unlocked:
             log(unlocked)
     except OutputBusy as e:
-        raise RunError(str(e), EXIT_FAILED) from None
+        raise RunError(f"{e}: wait for it to end (hsx status {output}), or use another --output", EXIT_FAILED) from None
     except OSError as e:  # a full disk is a pause here too: the job unit leaves it to a person
         full = e.errno in (errno.ENOSPC, errno.EDQUOT)
         raise RunError(f"--output {output}: {e}", EXIT_PAUSED if full else EXIT_USAGE) from None
     try:
         # The NaN/Inf check is the publisher's (Item.nonfinite): on the device when the backend can.
-        writer = ShardWriter(output, manifest, check_finite=False)
+        writer = ShardWriter(output, manifest, check_finite=False, defer_manifest=True)
     except ManifestMismatchError as e:
-        raise RunError(f"refusing to resume: {e}") from None
+        raise RunError(
+            f"refusing to resume: {e}: to extract with these options, use another --output; to go on with "
+            f"this run, use the options its {os.path.join(output, MANIFEST_NAME)} records"
+        ) from None
     except ManifestError as e:
-        raise RunError(str(e)) from None
+        raise RunError(
+            f"refusing to start: {e}: use another --output, or move {os.path.join(output, MANIFEST_NAME)} "
+            "aside if that output holds no run you want to keep"
+        ) from None
+    except LinkRefused as e:  # its message says what to remove
+        raise RunError(f"--output {output}: {e}") from None
     except OSError as e:
         raise RunError(f"--output {output}: {e}") from None
     if not writer.writes_directly:
@@ -232,6 +212,15 @@ def open_output(
     if removed:
         log(f"removed {removed} temp file(s) left by an interrupted writer")
     return writer
+
+
+def remove_empty_shards_dir(output: str) -> None:
+    """A start that failed on a new output: take back the empty shards/ the writer made (never
+    through a link, never a folder with anything in it: rmdir refuses both)."""
+    try:
+        os.rmdir(os.path.join(output, SHARDS_DIR))
+    except OSError:
+        pass
 
 
 def end_torn_index_line(output_dir: str) -> None:
