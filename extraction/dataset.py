@@ -137,9 +137,10 @@ def _content_text(content: Any, where: str) -> str:
     raise ValueError(f"{where}: content must be a string, got {type(content).__name__}")
 
 
-# Keys of an OpenAI turn passed on to the chat template besides role and content: a tool call and
-# its answer, which templates that know tools render (one that does not ignores them).
-TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+# Keys of an OpenAI turn passed on to the chat template besides role and content, by role: an
+# assistant's tool calls and a tool's answer to one, which templates that know tools render (one
+# that does not ignores them). Nothing else is passed on (a row's other keys never change its id).
+TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
 
 
 def _valid_json(value: Any, where: str) -> Any:
@@ -161,17 +162,19 @@ def _message(turn: Any, where: str, role_key: str, text_key: str) -> dict[str, A
     `tool_call_id`/`name`. Those keys go to the chat template as given (TOOL_KEYS)."""
     if not isinstance(turn, dict):
         raise ValueError(f"{where} must be an object")
-    tool_calls = turn.get("tool_calls")
-    if tool_calls is not None and (
-        not isinstance(tool_calls, list) or not tool_calls or not all(isinstance(c, dict) for c in tool_calls)
-    ):
-        raise ValueError(f"{where}: tool_calls must be a list of objects, got {_brief(tool_calls)}")
-    if role_key not in turn or (text_key not in turn and tool_calls is None):
+    if role_key not in turn:
         raise ValueError(f"{where} needs '{role_key}' and '{text_key}'")
     given_role = turn[role_key]
     role = ROLE_NAMES.get(given_role.lower()) if isinstance(given_role, str) else None
     if role is None:
         raise ValueError(f"{where}: unknown role {_brief(given_role)}")
+    tool_calls = turn.get("tool_calls") if role == "assistant" else None
+    if tool_calls is not None and (
+        not isinstance(tool_calls, list) or not tool_calls or not all(isinstance(c, dict) for c in tool_calls)
+    ):
+        raise ValueError(f"{where}: tool_calls must be a list of objects, got {_brief(tool_calls)}")
+    if text_key not in turn and tool_calls is None:
+        raise ValueError(f"{where} needs '{role_key}' and '{text_key}'")
     raw = turn.get(text_key)
     if raw is None and (tool_calls is not None or role == "tool"):
         raw = ""
@@ -179,7 +182,7 @@ def _message(turn: Any, where: str, role_key: str, text_key: str) -> dict[str, A
         "role": role,
         "content": _valid_text(_content_text(raw, where), f"{where}.{text_key}"),
     }
-    for key in TOOL_KEYS:
+    for key in TOOL_KEYS.get(role, ()):
         if turn.get(key) is not None:
             message[key] = _valid_json(turn[key], f"{where}.{key}")
     return message
