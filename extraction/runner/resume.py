@@ -207,8 +207,12 @@ def open_output(
         raise RunError(f"--output {output}: {e}") from None
     if not writer.writes_directly:
         log(f"shards written by torch.save ({writer.write_mode}): slower, same bytes")
-    end_torn_index_line(output)
-    removed = writer.remove_orphan_temps()
+    try:
+        end_torn_index_line(output)
+        removed = writer.remove_orphan_temps()
+    except OSError as e:  # a link or FIFO at the index (LinkRefused says what to remove), an I/O error
+        writer.close()
+        raise RunError(f"--output {output}: {e}") from None
     if removed:
         log(f"removed {removed} temp file(s) left by an interrupted writer")
     return writer

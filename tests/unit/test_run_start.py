@@ -134,3 +134,13 @@ def test_refusing_to_resume_says_what_to_do_next(tiny_model_dir, dataset, backen
         "to extract with these options, use another --output; to go on with this run, use the options "
         f"its {out / MANIFEST_NAME} records"
     ), line
+
+
+def test_a_fifo_at_the_index_is_refused_with_its_name_not_waited_on(tiny_model_dir, dataset, backend, tmp_path) -> None:
+    out = tmp_path / "out"
+    assert run(make_cfg(tiny_model_dir, dataset, out, limit=1), backend) == EXIT_OK
+    (out / "index.jsonl").unlink()
+    os.mkfifo(out / "index.jsonl")
+    logs: list[str] = []
+    assert run(make_cfg(tiny_model_dir, dataset, out), backend, logs) == EXIT_USAGE
+    assert any(f"{out / 'index.jsonl'} is not a regular file" in m for m in logs), logs
