@@ -20,8 +20,9 @@ import hashlib
 from collections.abc import Iterator
 
 from extraction.backends.base import Sample
+from extraction.chat_tokenizer import ChatTokenizer
 from extraction.config import ExtractConfig
-from extraction.dataset import ChatTokenizer, DatasetEntry, read_conversations
+from extraction.dataset import DatasetEntry, read_conversations
 
 WINDOW_BATCHES = 16  # a planning window holds this many batches' worth of samples
 # Batches buffered between the stages: forward -> publisher, and at least this many tokenized ahead.

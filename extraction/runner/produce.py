@@ -31,9 +31,10 @@ from typing import Any
 import torch
 
 from extraction.backends.base import Sample
+from extraction.chat_tokenizer import ChatTokenizer
 from extraction.childgen import ChildFailed, ChildGenerator
 from extraction.config import ExtractConfig
-from extraction.dataset import ChatTokenizer, DatasetEntry, RowError, read_conversations
+from extraction.dataset import DatasetEntry, RowError, read_conversations
 from extraction.outputlock import OutputLock
 from extraction.preflight import UNTRUNCATED_TOKENS
 from extraction.publisher import Work

@@ -30,16 +30,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from extraction import layers as layer_mod
-from extraction.config import ExtractConfig
-from extraction.dataset import (
+from extraction.chat_tokenizer import (
     ChatTokenizer,
-    DatasetScan,
     chat_template_of,
     load_tokenizer,
-    scan_dataset,
     sha256_text,
     tokenizer_hash,
 )
+from extraction.config import ExtractConfig
+from extraction.dataset import DatasetScan, scan_dataset
 from extraction.outputlock import OutputBusy, OutputLock
 from extraction.preflight import InputError, check_inputs
 from extraction.runner.lifecycle import RunError
