@@ -8,9 +8,10 @@ its signals, status.json and the exit status.
 Crash safety comes from the shard writer (temp -> fsync -> rename -> index line); the runner adds
 what a long run needs around it: a resume that trusts only indexed shards passing `quick` (an
 output with every sample done exits before the model loads: "already complete N/N"), a refusal
-to mix runs, run.json written only once the run can start (the backend loaded and checked), one run per output (a lock), a free-space guard, retries, clean stops on
-signals, and status.json. Threads: the forward runs on the caller's thread; the tokenizer's
-feeder, the publisher's threads and the status thread run beside it.
+to mix runs, run.json written only once the run can start (the backend loaded and checked), one
+run per output (a lock), a free-space guard, retries, clean stops on signals, and status.json.
+Threads: the forward runs on the caller's thread; the tokenizer's feeder, the publisher's threads
+and the status thread run beside it.
 """
 
 from __future__ import annotations
