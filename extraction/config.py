@@ -14,6 +14,10 @@ from typing import Any
 
 from hsx.layout import DEFAULT_DUMP_DIR
 
+# The dataset's row bound (extraction/dataset.py holds the why); a literal here so that checking
+# the options imports nothing heavy (the dataset module imports torch).
+DEFAULT_MAX_ROW_BYTES = 8 << 20
+
 BACKENDS = ("hf", "sglang")
 PUBLISHERS = ("auto", "process", "thread")
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
@@ -76,6 +80,7 @@ class ExtractConfig:
     device: str = "cpu"
     cpu_threads: int | None = None
     max_length: int | None = None
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
     batch_size: int = 8
     concurrency: int = 8
     dump_timeout: float = DEFAULT_DUMP_TIMEOUT
@@ -109,7 +114,7 @@ class ExtractConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.dump_timeout > 0:
             raise ConfigError(f"--dump-timeout must be > 0 seconds, got {self.dump_timeout}")
-        for name in ("max_length", "limit", "cpu_threads"):
+        for name in ("max_length", "limit", "cpu_threads", "max_row_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -129,6 +134,7 @@ class ExtractConfig:
 
 _CONVERTERS: dict[str, Any] = {
     "max_length": int,
+    "max_row_bytes": parse_bytes,
     "cpu_threads": int,
     "batch_size": int,
     "concurrency": int,
@@ -161,7 +167,11 @@ _HELP = {
     "device": "hf backend device (cpu, cuda, cuda:1)",
     "cpu_threads": "torch threads for the forward on a CPU device; default: every core but one per writer "
     "thread and one for the tokenizer (or OMP_NUM_THREADS when set)",
-    "max_length": "truncate samples to this many tokens (recorded per sample)",
+    "max_length": "cut samples to this many tokens; default: the model's context (config.json's "
+    "max_position_embeddings), each sample cut by it recorded in errors.jsonl (kind truncated). A resume "
+    "may tighten it (samples done keep theirs; run.json's bound_history records it), never loosen it",
+    "max_row_bytes": "a dataset row (JSONL line) longer than this many bytes is a row error, never parsed "
+    "(e.g. 16M; default 8M)",
     "batch_size": "samples per forward (hf); sglang: the plan's unit only (requests stream, --concurrency in flight)",
     "concurrency": "requests in flight (sglang)",
     "dump_timeout": "seconds to wait for a request's dump files after its reply (sglang; default 120: "

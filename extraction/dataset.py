@@ -1,4 +1,4 @@
-"""Conversations in, tokenized samples out: ShareGPT and OpenAI JSONL, stable ids, loss masks.
+"""Dataset rows in, conversations out: ShareGPT and OpenAI JSONL, stable ids, row errors.
 
 A row's id is its `id` field when it has one, else a hash of its normalized messages, so a
 resume, a second node and a re-ordered file all agree on which sample is which. Rows that cannot
@@ -9,26 +9,27 @@ deep, a lone surrogate such as JSON's "\\ud83d" - half an emoji, common in scrap
 in its text or id) becomes one RowError in the scan and never an exception: every string the scan
 lets through (ids, message contents) is valid Unicode, so hashing, node assignment, shard names,
 the tokenizer and errors.jsonl can encode it without a check of their own.
+
+A row is bounded: one longer than --max-row-bytes is a row error, read past in pieces, never parsed
+(DEFAULT_MAX_ROW_BYTES); the dataset is opened without blocking (a FIFO is refused, not waited on).
+Tokenization is extraction/chat_tokenizer.py's (imported from here too).
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-import numpy as np
-import torch
-
-from extraction.backends.base import Sample
+from extraction import config
+from extraction.preflight import open_regular_file
 
 ROLE_NAMES = {
     "system": "system",
+    "developer": "system",  # OpenAI's newer name for the system turn
     "user": "user",
     "human": "user",
     "assistant": "assistant",
@@ -46,6 +47,12 @@ ROW_SHAPES = (
     "'conversations' (ShareGPT: a list of {\"from\", \"value\"} turns)",
     "'messages' (OpenAI: a list of {\"role\", \"content\"} turns)",
 )
+
+# A row longer than this (bytes, without its newline) is a row error, never parsed or tokenized:
+# parsing and rendering cost a multiple of its size (a 20 MB row reached 9.3 GB). A few MiB hold a
+# conversation far past any model's context (128k tokens are ~0.5 MiB of text). --max-row-bytes.
+DEFAULT_MAX_ROW_BYTES = config.DEFAULT_MAX_ROW_BYTES
+_SKIP_CHUNK = 1 << 20  # an over-long row is read past in pieces of this size
 
 
 class RowError(ValueError):
@@ -125,8 +132,60 @@ def _content_text(content: Any, where: str) -> str:
     raise ValueError(f"{where}: content must be a string, got {type(content).__name__}")
 
 
-def normalize_row(row: Any) -> tuple[str | None, list[dict[str, str]]]:
-    """(given id or None, [{role, content}]) from either shape; ValueError says what is wrong."""
+# Keys of an OpenAI turn passed on to the chat template besides role and content, by role: an
+# assistant's tool calls and a tool's answer to one, which templates that know tools render (one
+# that does not ignores them). Nothing else is passed on (a row's other keys never change its id).
+TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
+
+
+def _valid_json(value: Any, where: str) -> Any:
+    """`value` (a row's JSON), when every string in it is valid Unicode; ValueError otherwise."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{where} holds a lone surrogate: not valid Unicode text; fix or drop the row"
+        ) from None
+    return value
+
+
+def _message(turn: Any, where: str, role_key: str, text_key: str) -> dict[str, Any]:
+    """One turn as {role, content[, tool keys]}; ValueError says what is wrong.
+
+    Tool use (OpenAI shape): an assistant turn that only calls tools has `content` null or absent
+    (kept as "" beside its `tool_calls`, a list of objects); a `tool` turn answers with its
+    `tool_call_id`/`name`. Those keys go to the chat template as given (TOOL_KEYS)."""
+    if not isinstance(turn, dict):
+        raise ValueError(f"{where} must be an object")
+    if role_key not in turn:
+        raise ValueError(f"{where} needs '{role_key}' and '{text_key}'")
+    given_role = turn[role_key]
+    role = ROLE_NAMES.get(given_role.lower()) if isinstance(given_role, str) else None
+    if role is None:
+        raise ValueError(f"{where}: unknown role {_brief(given_role)}")
+    tool_calls = turn.get("tool_calls") if role == "assistant" else None
+    if tool_calls is not None and (
+        not isinstance(tool_calls, list) or not tool_calls or not all(isinstance(c, dict) for c in tool_calls)
+    ):
+        raise ValueError(f"{where}: tool_calls must be a list of objects, got {_brief(tool_calls)}")
+    if text_key not in turn and tool_calls is None:
+        raise ValueError(f"{where} needs '{role_key}' and '{text_key}'")
+    raw = turn.get(text_key)
+    if raw is None and (tool_calls is not None or role == "tool"):
+        raw = ""
+    message: dict[str, Any] = {
+        "role": role,
+        "content": _valid_text(_content_text(raw, where), f"{where}.{text_key}"),
+    }
+    for key in TOOL_KEYS.get(role, ()):
+        if turn.get(key) is not None:
+            message[key] = _valid_json(turn[key], f"{where}.{key}")
+    return message
+
+
+def normalize_row(row: Any) -> tuple[str | None, list[dict[str, Any]]]:
+    """(given id or None, [{role, content[, tool keys]}]) from either shape; ValueError says what
+    is wrong. At least one assistant turn must hold something to train on (text or a tool call)."""
     if not isinstance(row, dict):
         raise ValueError(f"row must be a JSON object, got {type(row).__name__}")
     if "conversations" in row:
@@ -137,19 +196,7 @@ def normalize_row(row: Any) -> tuple[str | None, list[dict[str, str]]]:
         raise ValueError(f"row has neither {ROW_SHAPES[0]} nor {ROW_SHAPES[1]}")
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"'{shape}' must be a non-empty list")
-    messages = []
-    for i, turn in enumerate(turns):
-        where = f"{shape}[{i}]"
-        if not isinstance(turn, dict):
-            raise ValueError(f"{where} must be an object")
-        if role_key not in turn or text_key not in turn:
-            raise ValueError(f"{where} needs '{role_key}' and '{text_key}'")
-        given_role = turn[role_key]
-        role = ROLE_NAMES.get(given_role.lower()) if isinstance(given_role, str) else None
-        if role is None:
-            raise ValueError(f"{where}: unknown role {_brief(given_role)}")
-        content = _valid_text(_content_text(turn[text_key], where), f"{where}.{text_key}")
-        messages.append({"role": role, "content": content})
+    messages = [_message(turn, f"{shape}[{i}]", role_key, text_key) for i, turn in enumerate(turns)]
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant turn: nothing to train on")
     given = row.get("id")
@@ -157,6 +204,10 @@ def normalize_row(row: Any) -> tuple[str | None, list[dict[str, str]]]:
         if isinstance(given, bool) or not isinstance(given, str | int) or str(given).strip() == "":
             raise ValueError(f"'id' must be a non-empty string or integer, got {_brief(given)}")
         given = _valid_text(str(given), "'id'")
+    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
+        raise ValueError(
+            "every assistant turn is empty: nothing to train on (fill the assistant's reply or drop the row)"
+        )
     return given, messages
 
 
@@ -196,16 +247,53 @@ def parse_line(raw: bytes, line: int) -> Conversation:
     return Conversation(given if given is not None else content_id(messages), messages, line)
 
 
-def scan_dataset(path: str | os.PathLike) -> DatasetScan:
-    """Read the file once: valid rows' ids and offsets, row errors (incl. duplicate ids), sha256."""
+def _bounded_lines(f: BinaryIO, limit: int, digest: Any) -> Iterator[tuple[int, bytes | None, int, int]]:
+    """(offset, line, size with its newline, length without) for each line of `f`, every byte into
+    `digest`; `line` is None when its length is over `limit`: it is then read past in pieces, so no
+    more than `limit` + a piece is ever in memory for one line."""
+    offset = 0
+    while True:
+        raw = f.readline(limit + 2)
+        if not raw:
+            return
+        digest.update(raw)
+        size, last = len(raw), raw
+        if size == limit + 2 and not raw.endswith(b"\n"):  # longer still: skip to its end
+            while True:
+                more = f.readline(_SKIP_CHUNK)
+                digest.update(more)
+                size += len(more)
+                last = more or last
+                if not more or more.endswith(b"\n"):
+                    break
+        length = size - last.endswith(b"\n")
+        yield offset, (raw if length <= limit else None), size, length
+        offset += size
+
+
+def open_dataset(path: str | os.PathLike) -> BinaryIO:
+    """The dataset for reading (preflight.open_regular_file: a regular file, never blocking on a
+    FIFO; OSError naming it otherwise)."""
+    return os.fdopen(open_regular_file(path), "rb")
+
+
+def scan_dataset(path: str | os.PathLike, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> DatasetScan:
+    """Read the file once: valid rows' ids and offsets, row errors (incl. duplicate ids and rows
+    over `max_row_bytes`), sha256 of the whole file."""
     scan = DatasetScan(path=os.fspath(path))
     digest = hashlib.sha256()
     first_line: dict[str, int] = {}
-    offset = 0
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            digest.update(raw)
-            start, offset = offset, offset + len(raw)
+    with open_dataset(path) as f:
+        for line_no, (start, raw, _size, length) in enumerate(
+            _bounded_lines(f, max_row_bytes, digest), start=1
+        ):
+            if raw is None:
+                reason = (
+                    f"row is {length} bytes, over the {max_row_bytes}-byte bound (--max-row-bytes): "
+                    "split the conversation or raise the bound"
+                )
+                scan.errors.append(RowError(line_no, reason))
+                continue
             if not raw.strip():
                 continue
             try:
@@ -231,208 +319,23 @@ def scan_dataset(path: str | os.PathLike) -> DatasetScan:
     return scan
 
 
-def read_conversations(path: str | os.PathLike, entries: list[DatasetEntry]) -> Iterator[Conversation]:
-    """The conversations of `entries`, re-read from their offsets (in the order given)."""
-    with open(path, "rb") as f:
+def read_conversations(
+    path: str | os.PathLike, entries: list[DatasetEntry], max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
+) -> Iterator[Conversation]:
+    """The conversations of `entries`, re-read from their offsets (in the order given); a line is
+    read up to `max_row_bytes` (the scan's bound), however the file changed since."""
+    with open_dataset(path) as f:
         for e in entries:
             f.seek(e.offset)
-            yield parse_line(f.readline(), e.line)
+            yield parse_line(f.readline(max_row_bytes + 2), e.line)
 
 
-# ---------------------------------------------------------------- tokenization
-
-
-def sha256_text(text: str | None) -> str | None:
-    return None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "tiktoken.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
+# The tokenization half, moved to extraction/chat_tokenizer.py; importable from here as before.
+from extraction.chat_tokenizer import (  # noqa: E402, F401
+    TOKENIZER_FILES,
+    ChatTokenizer,
+    chat_template_of,
+    load_tokenizer,
+    sha256_text,
+    tokenizer_hash,
 )
-
-
-def tokenizer_hash(model_dir: str | os.PathLike) -> str:
-    """sha256 over the tokenizer files present in the model directory (names + bytes)."""
-    h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        p = Path(model_dir) / name
-        if p.is_file():
-            h.update(name.encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-def load_tokenizer(model_dir: str | os.PathLike) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.fspath(model_dir), trust_remote_code=True)
-
-
-def chat_template_of(tokenizer: Any) -> str | None:
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("default") or json.dumps(template, sort_keys=True)
-    return template
-
-
-class ChatTokenizer:
-    """Applies the target's chat template and marks assistant tokens in the loss mask.
-
-    An assistant turn's span is found by rendering the conversation up to it twice: with the
-    generation prompt (ends where the assistant text starts) and with the turn itself (ends after
-    its closing tokens, which the drafter must learn too). Templates that rewrite earlier turns
-    fall back to finding the content text itself.
-
-    Runs in the runner's tokenizer process (or, with Runner(tokenizer_process=False), on a thread
-    beside the forward pass, which is why it keeps its time under the GIL short): a conversation's prefixes
-    are rendered in two batched template calls, a fast tokenizer's Rust backend is called directly
-    (`encode_batch` releases the GIL; the transformers wrapper around it is Python), and the loss
-    mask is computed on tensors. The direct call is trusted only after it gave exactly what
-    `tokenizer(...)` gives on the first text; otherwise the wrapper is used throughout.
-    """
-
-    def __init__(self, tokenizer: Any, max_length: int | None = None):
-        self.tokenizer = tokenizer
-        self.max_length = max_length
-        self.use_offsets = bool(getattr(tokenizer, "is_fast", False))
-        backend = getattr(tokenizer, "_tokenizer", None) if self.use_offsets else None
-        self._backend = backend if callable(getattr(backend, "encode_batch", None)) else None
-        self._backend_checked = False
-        self._batched_render = True
-        self._render_checked = False
-
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-
-    def render_many(
-        self, conversations: list[list[dict[str, str]]], add_generation_prompt: bool
-    ) -> list[str]:
-        """render() of each conversation, in one batched template call where the tokenizer has
-        one (checked against single renders the first time)."""
-        if not conversations:
-            return []
-        if self._batched_render:
-            try:
-                out = self.tokenizer.apply_chat_template(
-                    conversations, tokenize=False, add_generation_prompt=add_generation_prompt
-                )
-            except Exception:  # a row the template refuses (raised again below), or no batches
-                out = None
-            ok = (
-                isinstance(out, list)
-                and len(out) == len(conversations)
-                and all(isinstance(t, str) for t in out)
-            )
-            if ok and self._render_checked:
-                return out
-            singles = [self.render(c, add_generation_prompt) for c in conversations]  # a row's own error
-            self._batched_render = ok and out == singles
-            self._render_checked = True
-            return singles
-        return [self.render(c, add_generation_prompt) for c in conversations]
-
-    def _render_all(self, messages: list[dict[str, str]]) -> tuple[str, dict[int, str], dict[int, str]]:
-        """(whole conversation, {k: render(messages[:k], gen prompt)}, {k: render(messages[:k+1])})
-        for the assistant turns k: every render assistant_spans needs, in two template calls."""
-        turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-        n = len(messages)
-        before_ks = [k for k in turns if k]
-        befores = dict(zip(before_ks, self.render_many([messages[:k] for k in before_ks], True), strict=True))
-        upto_ks = [k for k in turns if k + 1 < n]  # messages[:n] is the whole conversation
-        rendered = self.render_many([messages[: k + 1] for k in upto_ks] + [messages], False)
-        text = rendered[-1]
-        uptos = dict(zip(upto_ks, rendered[:-1], strict=True))
-        if turns and turns[-1] == n - 1:
-            uptos[n - 1] = text
-        return text, befores, uptos
-
-    def assistant_spans(
-        self,
-        messages: list[dict[str, str]],
-        text: str,
-        rendered: tuple[dict[int, str], dict[int, str]] | None = None,
-    ) -> list[tuple[int, int]]:
-        befores, uptos = rendered if rendered is not None else self._render_all(messages)[1:]
-        spans = []
-        cursor = 0
-        for k, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = befores[k] if k else ""
-            upto = uptos[k]
-            if k and text.startswith(before) and text.startswith(upto) and len(before) >= cursor:
-                spans.append((len(before), len(upto)))
-                cursor = len(upto)
-                continue
-            pos = text.find(m["content"], cursor)
-            if pos < 0:
-                raise ValueError(f"assistant turn {k} not found in the rendered chat template")
-            spans.append((pos, pos + len(m["content"])))
-            cursor = pos + len(m["content"])
-        return spans
-
-    def _ids_and_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        if self._backend is not None and self._backend_checked:
-            enc = self._backend.encode_batch([text], add_special_tokens=False)[0]
-            return enc.ids, enc.offsets
-        ref = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(ref["input_ids"]), [tuple(o) for o in ref["offset_mapping"]]
-        if self._backend is not None:  # first text: the wrapper has configured the backend; compare
-            enc = self._backend.encode_batch([text], add_special_tokens=False)[0]
-            if list(enc.ids) != ids or [tuple(o) for o in enc.offsets] != offsets:
-                self._backend = None
-            self._backend_checked = True
-        return ids, offsets
-
-    def encode(self, conv: Conversation) -> Sample:
-        text, befores, uptos = self._render_all(conv.messages)
-        spans = self.assistant_spans(conv.messages, text, (befores, uptos))
-        if self.use_offsets:
-            ids, offsets = self._ids_and_offsets(text)
-            mask_t = _span_mask(offsets, spans)
-        else:  # slow tokenizers have no offsets: tokenize piece by piece at span boundaries
-            ids, mask, pos = [], [], 0
-            for s1, e1 in spans + [(len(text), len(text))]:
-                for piece, flag in ((text[pos:s1], 0), (text[s1:e1], 1)):
-                    if piece:
-                        got = self.tokenizer.encode(piece, add_special_tokens=False)
-                        ids += got
-                        mask += [flag] * len(got)
-                pos = e1
-            mask_t = torch.tensor(mask, dtype=torch.long)
-        full = len(ids)
-        truncated = self.max_length is not None and full > self.max_length
-        if truncated:
-            ids, mask_t = ids[: self.max_length], mask_t[: self.max_length].clone()
-        if not ids:
-            raise ValueError("the chat template produced no tokens")
-        return Sample(
-            sample_id=conv.sample_id,
-            input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)),
-            loss_mask=mask_t,
-            truncated=truncated,
-            meta={"line": conv.line, "num_tokens_full": full},
-        )
-
-
-def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> torch.Tensor:
-    """1 for each token whose character range [s, e) overlaps a span [s1, e1): s < e1 and e > s1."""
-    if not offsets:
-        return torch.zeros(0, dtype=torch.long)
-    flat = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
-    off = torch.from_numpy(flat).view(-1, 2)  # ~4x cheaper than torch.tensor(list of tuples)
-    start, end = off[:, 0], off[:, 1]
-    mask = torch.zeros(len(offsets), dtype=torch.bool)
-    for s1, e1 in spans:
-        mask |= (start < e1) & (end > s1)
-    return mask.long()

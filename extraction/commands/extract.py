@@ -28,9 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from extraction import preflight
+
     try:
         cfg = config.build_config(args)
-    except config.ConfigError as e:
+        preflight.check_inputs(cfg)  # before torch is imported: a mistake is reported at once
+    except (config.ConfigError, preflight.InputError) as e:
         print(f"hsx extract: {e}", file=sys.stderr)
         return EXIT_USAGE
     from extraction.runner import Runner

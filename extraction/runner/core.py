@@ -6,10 +6,12 @@ what is done before any of it starts, and the Lifecycle (lifecycle.py) holds the
 its signals, status.json and the exit status.
 
 Crash safety comes from the shard writer (temp -> fsync -> rename -> index line); the runner adds
-what a long run needs around it: a resume that trusts only indexed shards passing `quick`, a
-refusal to mix runs, one run per output (a lock), a free-space guard, retries, clean stops on
-signals, and status.json. Threads: the forward runs on the caller's thread; the tokenizer's
-feeder, the publisher's threads and the status thread run beside it.
+what a long run needs around it: a resume that trusts only indexed shards passing `quick` (an
+output with every sample done exits before the model loads: "already complete N/N"), a refusal
+to mix runs, run.json written only once the run can start (the backend loaded and checked), one
+run per output (a lock), a free-space guard, retries, clean stops on signals, and status.json.
+Threads: the forward runs on the caller's thread; the tokenizer's feeder, the publisher's threads
+and the status thread run beside it.
 """
 
 from __future__ import annotations
@@ -39,10 +41,17 @@ from extraction.runner.plan import node_samples, plan_windows
 from extraction.runner.produce import Producer, tokenize_ahead_batches
 from extraction.runner.progress import closing_line
 from extraction.runner.publish import default_writer_threads, make_publisher
-from extraction.runner.resume import ITEMSIZE, load_inputs, open_output, verified_done
+from extraction.runner.resume import (
+    ITEMSIZE,
+    load_inputs,
+    open_output,
+    remove_empty_shards_dir,
+    update_run_json,
+    verified_done,
+)
 from extraction.runner.stream import Stream, streams
 from extraction.runner.timing import minor_faults, new_timings, record_usage, thread_usage
-from hsx.exitcodes import EXIT_FAILED
+from hsx.exitcodes import EXIT_FAILED, EXIT_OK
 from hsx.status import ERRORS_NAME, StatusThread
 
 
@@ -82,6 +91,7 @@ class Runner:
         inputs = load_inputs(cfg)
         self.model_cfg, self.layer_ids, self.scan = inputs.model_cfg, inputs.layer_ids, inputs.scan
         self.tokenizer, self.manifest = inputs.tokenizer, inputs.manifest
+        self.bound_change = inputs.bound_change
         self.itemsize = ITEMSIZE[self.manifest.dtype]
         self.writer = open_output(cfg.output, self.manifest, self.output_lock, self.log)
         self.assigned = node_samples(self.scan.entries, cfg)
@@ -96,7 +106,7 @@ class Runner:
                 f"will be redone ({self.resume_seconds:.1f}s)"
             )
         estimate = estimate_shard_bytes(
-            cfg.max_length or 0, self.manifest.hidden_size, self.manifest.num_aux, self.itemsize
+            self.tokenizer.max_length or 0, self.manifest.hidden_size, self.manifest.num_aux, self.itemsize
         )
         self.guard = life.guard = DiskGuard(cfg.output, cfg.reserve_bytes, estimate)
         self.batch_publisher = BatchPublisher(self.writer, self.guard, self.itemsize)
@@ -151,6 +161,13 @@ class Runner:
 
     def _extract(self) -> int:
         cfg, life, reporter, tm = self.cfg, self.life, self.reporter, self.timings
+        if self.assigned and len(self.done) == len(self.assigned):  # nothing to load the model for
+            n = len(self.assigned)
+            reporter.set_state("done", f"already complete: {n}/{n}")
+            reporter.write()
+            self.writer.close()
+            self.log(f"already complete: {n}/{n} samples in {cfg.output}; nothing to do (the model was not loaded)")
+            return EXIT_OK
         handlers = life.install_signals()
         reporter.set_state("starting", "loading the model")
         reporter.write()
@@ -199,6 +216,14 @@ class Runner:
             tm["ready_faults_at"] = minor_faults()
             tm["model_load_s"] = tm["ready_at"] - t0
             check_backend(self.backend, self.manifest, cfg)
+            self.writer.commit_manifest()  # the run can start: now a new output gets its run.json
+            if self.bound_change is not None:
+                update_run_json(cfg.output, self.manifest)
+                old, new = self.bound_change["from"], self.bound_change["to"]
+                self.log(
+                    f"max_length: bound tightened from {old if old is not None else 'none'} to {new} tokens: "
+                    f"samples already done keep theirs, new ones are cut at {new} (run.json: bound_history)"
+                )
             reporter.set_state("running")
             reporter.write()
             lines = life.open_bar()
@@ -222,6 +247,8 @@ class Runner:
             if life.bar is not None:
                 life.bar.close()
             self.writer.close()
+            if self.writer.manifest_pending:  # the start failed: leave a new output as it was found
+                remove_empty_shards_dir(cfg.output)
             backend = getattr(self, "backend", None)
             if backend is not None:
                 try:

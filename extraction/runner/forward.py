@@ -13,6 +13,10 @@ Contract:
 - A backend with `extract_async` (hf) only queues the batch; with the publisher's `host_empty`
   its states go straight into the publisher's memory. The one-by-one path never uses
   host_empty (what the failed batch holds there is not sent yet).
+- Out of memory in the forward (is_out_of_memory) is never retried: the same allocation would
+  fail again (and on a CPU host the next one may be the kernel's OOM killer's, for the whole run).
+  A batch goes on to the one-by-one search at once; a sample alone that runs out of memory fails
+  (errors.jsonl: "out of memory in the forward (not retried): ...", attempts 1), the run goes on.
 - On a CPU device the forward runs on `cpu_forward_threads` torch threads, restored after.
 """
 
@@ -33,6 +37,25 @@ from extraction.runner.lifecycle import Lifecycle, RunError
 from hsx import cores
 from hsx.exitcodes import EXIT_FAILED
 from hsx.manifest import RunManifest
+
+OOM_REASON = "out of memory in the forward (not retried)"
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """An allocation failed: torch.OutOfMemoryError (CUDA; torch's own checks), Python's
+    MemoryError, or a RuntimeError whose allocator says so (torch's CPU allocator: "not enough
+    memory"; others: "out of memory")."""
+    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+        return True
+    text = str(error).lower() if isinstance(error, RuntimeError) else ""
+    return "out of memory" in text or "not enough memory" in text
+
+
+def _free_device_cache() -> None:
+    """Give what a failed allocation left cached back to the device (CUDA), so the next batch
+    starts from the memory it would have had."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def make_backend(cfg: ExtractConfig, layer_ids: list[int]) -> Backend:
@@ -184,6 +207,9 @@ class Forward:
             except Exception as e:  # any backend failure is retried; the reason goes to errors.jsonl
                 reason = f"{type(e).__name__}: {e}"
                 self.publisher.release_attempt()
+                if is_out_of_memory(e):  # the same allocation again would fail the same way
+                    _free_device_cache()
+                    return None, None, None, f"{OOM_REASON}: {reason}", attempt + 1
         return None, None, None, reason, cfg.retries + 1
 
     @staticmethod

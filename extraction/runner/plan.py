@@ -20,13 +20,13 @@ import hashlib
 from collections.abc import Iterator
 
 from extraction.backends.base import Sample
+from extraction.chat_tokenizer import ChatTokenizer
 from extraction.config import ExtractConfig
-from extraction.dataset import ChatTokenizer, DatasetEntry, read_conversations
+from extraction.dataset import DatasetEntry, read_conversations
 
 WINDOW_BATCHES = 16  # a planning window holds this many batches' worth of samples
 # Batches buffered between the stages: forward -> publisher, and at least this many tokenized ahead.
 QUEUE_BATCHES = 4
-UNTRUNCATED_TOKENS = 32768  # a sample's size when neither --max-length nor the model says
 
 
 def assigned_to(sample_id: str, shard_index: int, num_shards: int) -> bool:
@@ -65,5 +65,5 @@ def iter_batches_for_bench(
     """The runner's own batch plan over `entries`, tokenized on the calling thread: what the
     benchmarks run a bare forward loop over, to compare it with the runner."""
     for window in plan_windows(entries, cfg.batch_size):
-        samples = [tokenizer.encode(c) for c in read_conversations(cfg.dataset, window)]
+        samples = [tokenizer.encode(c) for c in read_conversations(cfg.dataset, window, cfg.max_row_bytes)]
         yield from batches_of_window(samples, cfg.batch_size)

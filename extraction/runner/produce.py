@@ -6,6 +6,8 @@ Contract:
   then None, always, also when stopped or failed.
 - A row the chat template cannot render is a data error: recorded (ledger.row_error, with its
   line) and left out; the run goes on.
+- A pending sample cut to the model's context (no --max-length given: a cut nobody asked for) is
+  recorded in errors.jsonl, kind "truncated" (not an error: its shard is written).
 - By default it tokenizes in a child forked before the model loads (extraction/childgen.py; its
   Python never holds this process's GIL), a thread here only putting its batches on the queue;
   `in_process=False` (or no fork) tokenizes on that thread. Either way the same samples, bit for
@@ -29,13 +31,15 @@ from typing import Any
 import torch
 
 from extraction.backends.base import Sample
+from extraction.chat_tokenizer import ChatTokenizer
 from extraction.childgen import ChildFailed, ChildGenerator
 from extraction.config import ExtractConfig
-from extraction.dataset import ChatTokenizer, DatasetEntry, RowError, read_conversations
+from extraction.dataset import DatasetEntry, RowError, read_conversations
 from extraction.outputlock import OutputLock
+from extraction.preflight import UNTRUNCATED_TOKENS
 from extraction.publisher import Work
 from extraction.runner.lifecycle import Lifecycle
-from extraction.runner.plan import QUEUE_BATCHES, UNTRUNCATED_TOKENS, batches_of_window
+from extraction.runner.plan import QUEUE_BATCHES, batches_of_window
 from extraction.runner.timing import record_usage, thread_usage
 
 # Token tensors (ids + mask, int64) the tokenizer may hold ahead of the forward (the batch queue). It
@@ -48,6 +52,18 @@ def tokenize_ahead_batches(batch_size: int, max_length: int | None) -> int:
     """How many tokenized batches may wait for the forward: TOKENIZE_AHEAD_BYTES' worth, at least QUEUE_BATCHES."""
     per_batch = max(1, batch_size) * (max_length or UNTRUNCATED_TOKENS) * 16
     return max(QUEUE_BATCHES, TOKENIZE_AHEAD_BYTES // per_batch)
+
+
+def truncated_record(sample: Sample, bound: int | None) -> dict[str, Any]:
+    """errors.jsonl's record of a sample cut to the model's context (no --max-length given)."""
+    return {
+        "kind": "truncated",
+        "sample_id": sample.sample_id,
+        "line": sample.meta.get("line"),
+        "tokens": int(sample.input_ids.numel()),
+        "reason": f"cut to the model's context of {bound} tokens (no --max-length given): the rest of "
+        "the conversation is not in its shard",
+    }
 
 
 class Producer:
@@ -107,16 +123,20 @@ class Producer:
         holding at least one pending sample, ("row_error", record, None) for a row that cannot be
         tokenized. Runs in the tokenizer process (or thread): it changes nothing here."""
         tokenizer, done, batch_size = self.tokenizer, self.done, self.cfg.batch_size
+        note_cuts = self.cfg.max_length is None
         for window in self.windows:
             if all(e.sample_id in done for e in window):
                 continue
             samples = []
-            for conv in read_conversations(self.cfg.dataset, window):
+            for conv in read_conversations(self.cfg.dataset, window, self.cfg.max_row_bytes):
                 try:
                     samples.append(tokenizer.encode(conv))
                 except Exception as e:  # a template that cannot render this row: a data problem
                     record = RowError(conv.line, f"tokenization failed: {e}", conv.sample_id).to_record()
                     yield "row_error", record, None
+                    continue
+                if note_cuts and samples[-1].truncated and conv.sample_id not in done:
+                    yield "note", truncated_record(samples[-1], tokenizer.max_length), None
             for batch in batches_of_window(samples, batch_size):
                 pending = {s.sample_id for s in batch if s.sample_id not in done}
                 if pending:
@@ -160,6 +180,9 @@ class Producer:
                     break
                 if kind == "row_error":
                     self.ledger.row_error(value)
+                    continue
+                if kind == "note":
+                    self.ledger.error(value)
                     continue
                 while not stop.is_set():
                     try:

@@ -3,10 +3,17 @@
 Contract:
 - `load_inputs` reads the model's config, the capture layers, the dataset (one scan: ids,
   offsets, row errors, hash) and the tokenizer, and builds the run's manifest (run.json). It
-  writes nothing; a bad input or an output holding a run with another --max-length is a RunError.
+  writes nothing; a bad input is a RunError.
+- The token bound (`token_bound`): --max-length, else the model's context; a longer sample is cut
+  to it. run.json's extra records it (`token_bound`). A resume may tighten it (`check_bound`):
+  samples already done keep theirs (they were within the old bound), new ones are cut at the new
+  one, and the change goes to extra's `bound_history` (written by `update_run_json` once the run
+  can start). Loosening it is refused: the output would hold samples cut at two bounds silently.
 - `open_output` takes the output's lock before anything there is written or removed, then opens
   the shard writer, which refuses an output whose run.json differs from the manifest (RunError,
-  nothing written) and writes run.json for a new one; it ends a torn last index line and removes
+  nothing written; every refusal says what to do next) and leaves a new output's run.json to
+  `writer.commit_manifest()`, which the runner calls once the run can start (the backend loaded
+  and checked); it ends a torn last index line and removes
   the temp files an interrupted writer left. A full disk here is a pause (exit 75).
 - `verified_done`: the samples whose shard is indexed at its own shard path (hsx.index.entry_problems,
   the rule `hsx verify` applies) AND passes the `quick` check; any other indexed sample is recorded
@@ -16,7 +23,6 @@ Contract:
 from __future__ import annotations
 
 import errno
-import json
 import os
 import socket
 from collections.abc import Callable
@@ -24,26 +30,33 @@ from dataclasses import dataclass
 from typing import Any
 
 from extraction import layers as layer_mod
-from extraction.config import ExtractConfig
-from extraction.dataset import (
+from extraction.chat_tokenizer import (
     ChatTokenizer,
-    DatasetScan,
     chat_template_of,
     load_tokenizer,
-    scan_dataset,
     sha256_text,
     tokenizer_hash,
 )
+from extraction.config import ExtractConfig
+from extraction.dataset import DatasetScan, scan_dataset
 from extraction.outputlock import OutputBusy, OutputLock
+from extraction.preflight import InputError, check_inputs
 from extraction.runner.lifecycle import RunError
-from extraction.runner.plan import UNTRUNCATED_TOKENS
 from extraction.shards import ManifestMismatchError, ShardWriter
 from hsx.errors import ShardBad, ShardIOError
 from hsx.exitcodes import EXIT_FAILED, EXIT_PAUSED, EXIT_USAGE
-from hsx.fsutil import nofollow_opener
+from hsx.fsutil import LinkRefused, nofollow_opener
 from hsx.index import entry_problems, read_index
-from hsx.layout import INDEX_NAME, MANIFEST_NAME
-from hsx.manifest import ManifestError, RunManifest, check_fingerprints, read_manifest_dict
+from hsx.layout import INDEX_NAME, MANIFEST_NAME, SHARDS_DIR
+from hsx.manifest import (
+    ManifestError,
+    RunManifest,
+    check_fingerprints,
+    read_manifest,
+    read_manifest_dict,
+    write_manifest,
+)
+from hsx.status import now_iso
 from hsx.verify import Expect, check_shard
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -59,57 +72,44 @@ class RunInputs:
     scan: DatasetScan
     tokenizer: ChatTokenizer
     manifest: RunManifest
+    bound_change: dict[str, Any] | None = None  # a tightened token bound, for run.json's history
 
 
-def read_model_config(model_dir: str) -> dict[str, Any]:
-    """hidden size, layers, vocab from config.json (a text_config inside wins for VLM wrappers)."""
-    path = os.path.join(model_dir, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except OSError as e:
-        raise RunError(f"{path}: cannot read model config: {e.strerror}") from None
-    except ValueError as e:
-        raise RunError(f"{path}: invalid JSON: {e}") from None
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-    try:
-        return {
-            "hidden_size": int(text["hidden_size"]),
-            "num_layers": int(text["num_hidden_layers"]),
-            "vocab_size": int(text["vocab_size"]) if text.get("vocab_size") else None,
-            "max_positions": int(text.get("max_position_embeddings") or UNTRUNCATED_TOKENS),
-        }
-    except (KeyError, TypeError, ValueError) as e:
-        raise RunError(f"{path}: model config lacks {e}") from None
+def token_bound(cfg: ExtractConfig, model_cfg: dict[str, Any]) -> int:
+    """The most tokens a sample has: --max-length when given, else the model's context, which is
+    config.json's max_position_embeddings (the positions the model was built for; a tokenizer's
+    model_max_length is often a placeholder such as 1e30, so it is not used), or UNTRUNCATED_TOKENS
+    where config.json names none. A longer sample is cut to it, never refused: its start is still
+    what the drafter trains on; the cut is recorded per sample when the bound is the default."""
+    return cfg.max_length or model_cfg["max_positions"]
 
 
 def load_inputs(cfg: ExtractConfig) -> RunInputs:
     """The run's inputs and manifest (see the module's contract)."""
-    if not os.path.isdir(cfg.model):
-        raise RunError(f"--model {cfg.model}: not a directory")
-    if not os.path.isfile(cfg.dataset):
-        raise RunError(f"--dataset {cfg.dataset}: not a file")
-    if os.path.exists(cfg.output) and not os.path.isdir(cfg.output):
-        raise RunError(f"--output {cfg.output}: exists and is not a directory")
-    model_cfg = read_model_config(cfg.model)
     try:
-        layer_ids = layer_mod.parse_layers(cfg.layers, model_cfg["num_layers"], cfg.layer_convention)
-    except layer_mod.LayerSpecError as e:
-        raise RunError(f"--layers: {e}") from None
-    scan = scan_dataset(cfg.dataset)
+        model_cfg, layer_ids = check_inputs(cfg)
+    except InputError as e:
+        raise RunError(str(e)) from None
+    scan = scan_dataset(cfg.dataset, cfg.max_row_bytes)
     try:
         tokenizer = load_tokenizer(cfg.model)
     except Exception as e:
         raise RunError(f"cannot load the tokenizer from {cfg.model}: {e}") from None
     if chat_template_of(tokenizer) is None:
         raise RunError(f"{cfg.model}: the tokenizer has no chat template")
-    manifest = build_manifest(cfg, model_cfg, layer_ids, tokenizer, scan.sha256)
-    check_extra(cfg.output, manifest)
-    return RunInputs(model_cfg, layer_ids, scan, ChatTokenizer(tokenizer, cfg.max_length), manifest)
+    bound = token_bound(cfg, model_cfg)
+    manifest = build_manifest(cfg, model_cfg, layer_ids, tokenizer, scan.sha256, bound)
+    change = check_bound(cfg.output, manifest)
+    return RunInputs(model_cfg, layer_ids, scan, ChatTokenizer(tokenizer, bound), manifest, change)
 
 
 def build_manifest(
-    cfg: ExtractConfig, model_cfg: dict[str, Any], layer_ids: list[int], tokenizer: Any, ds_hash: str
+    cfg: ExtractConfig,
+    model_cfg: dict[str, Any],
+    layer_ids: list[int],
+    tokenizer: Any,
+    ds_hash: str,
+    bound: int | None = None,
 ) -> RunManifest:
     from extraction.backends.hf import model_revision
 
@@ -129,6 +129,7 @@ def build_manifest(
         dataset_hash=ds_hash,
         extra={
             "max_length": cfg.max_length,
+            "token_bound": bound if bound is not None else token_bound(cfg, model_cfg),
             "model_dir": os.path.abspath(cfg.model),
             "dataset_file": os.path.abspath(cfg.dataset),
             "backend": cfg.backend,
@@ -138,18 +139,44 @@ def build_manifest(
     )
 
 
-def check_extra(output: str, manifest: RunManifest) -> None:
-    """max_length changes what a shard holds but is not a manifest field: compare it here."""
+def check_bound(output: str, manifest: RunManifest) -> dict[str, Any] | None:
+    """The token bound against the one the output's run.json records (see the module's contract):
+    None when it is the same (or the output is new), the change when it is tighter (also put into
+    `manifest.extra["bound_history"]`); RunError when it is looser. A run.json without
+    `token_bound` (written before the default bound) holds its --max-length as its bound, None
+    for none."""
     path = os.path.join(output, MANIFEST_NAME)
     if not os.path.exists(path):
-        return
-    existing = read_manifest_dict(output)
-    extra = existing.get("extra") or {}
-    if "max_length" in extra and extra["max_length"] != manifest.extra["max_length"]:
+        return None
+    try:
+        extra = read_manifest_dict(output).get("extra")
+    except ManifestError as e:
+        raise RunError(f"{e}; use another --output, or move the output aside if it is not a run") from None
+    extra = extra if isinstance(extra, dict) else {}
+    old = extra["token_bound"] if "token_bound" in extra else extra.get("max_length")
+    new = manifest.extra["token_bound"]
+    history = extra.get("bound_history")
+    manifest.extra["bound_history"] = list(history) if isinstance(history, list) else []
+    if old == new:
+        return None
+    if old is not None and (isinstance(old, bool) or not isinstance(old, int) or new > old):
         raise RunError(
-            f"{output} holds a different run: max_length: existing run has "
-            f"{extra['max_length']!r}, this run wants {manifest.extra['max_length']!r}"
+            f"refusing to resume: {output} holds a different run: max_length: the existing run cuts "
+            f"samples at {old!r} tokens, this run would allow {new} (samples cut at two bounds in one "
+            f"output): rerun with --max-length {old!r} (or lower), or use another --output"
         )
+    change = {"at": now_iso(), "from": old, "to": new}
+    manifest.extra["bound_history"].append(change)
+    return change
+
+
+def update_run_json(output: str, manifest: RunManifest) -> None:
+    """Record a tightened token bound in the output's run.json (its extra's max_length,
+    token_bound and bound_history); every other field as it is there."""
+    existing = read_manifest(output)
+    keys = ("max_length", "token_bound", "bound_history")
+    existing.extra = {**existing.extra, **{k: manifest.extra[k] for k in keys}}
+    write_manifest(output, existing)
 
 
 def make_output_dir(output: str) -> None:
@@ -178,26 +205,47 @@ def open_output(
         if unlocked:
             log(unlocked)
     except OutputBusy as e:
-        raise RunError(str(e), EXIT_FAILED) from None
+        raise RunError(f"{e}: wait for it to end (hsx status {output}), or use another --output", EXIT_FAILED) from None
     except OSError as e:  # a full disk is a pause here too: the job unit leaves it to a person
         full = e.errno in (errno.ENOSPC, errno.EDQUOT)
         raise RunError(f"--output {output}: {e}", EXIT_PAUSED if full else EXIT_USAGE) from None
     try:
         # The NaN/Inf check is the publisher's (Item.nonfinite): on the device when the backend can.
-        writer = ShardWriter(output, manifest, check_finite=False)
+        writer = ShardWriter(output, manifest, check_finite=False, defer_manifest=True)
     except ManifestMismatchError as e:
-        raise RunError(f"refusing to resume: {e}") from None
+        raise RunError(
+            f"refusing to resume: {e}: to extract with these options, use another --output; to go on with "
+            f"this run, use the options its {os.path.join(output, MANIFEST_NAME)} records"
+        ) from None
     except ManifestError as e:
-        raise RunError(str(e)) from None
+        raise RunError(
+            f"refusing to start: {e}: use another --output, or move {os.path.join(output, MANIFEST_NAME)} "
+            "aside if that output holds no run you want to keep"
+        ) from None
+    except LinkRefused as e:  # its message says what to remove
+        raise RunError(f"--output {output}: {e}") from None
     except OSError as e:
         raise RunError(f"--output {output}: {e}") from None
     if not writer.writes_directly:
         log(f"shards written by torch.save ({writer.write_mode}): slower, same bytes")
-    end_torn_index_line(output)
-    removed = writer.remove_orphan_temps()
+    try:
+        end_torn_index_line(output)
+        removed = writer.remove_orphan_temps()
+    except OSError as e:  # a link or FIFO at the index (LinkRefused says what to remove), an I/O error
+        writer.close()
+        raise RunError(f"--output {output}: {e}") from None
     if removed:
         log(f"removed {removed} temp file(s) left by an interrupted writer")
     return writer
+
+
+def remove_empty_shards_dir(output: str) -> None:
+    """A start that failed on a new output: take back the empty shards/ the writer made (never
+    through a link, never a folder with anything in it: rmdir refuses both)."""
+    try:
+        os.rmdir(os.path.join(output, SHARDS_DIR))
+    except OSError:
+        pass
 
 
 def end_torn_index_line(output_dir: str) -> None:

@@ -223,8 +223,8 @@ def _sendfile_all(out_fd: int, in_fd: int, offset: int, count: int) -> int:
 class ShardWriter:
     """Publishes one shard per sample into an output directory, crash-safely.
 
-    On construction it writes run.json, or checks an existing one (ManifestMismatchError when
-    it differs). `publish` may be called from one background thread; the index append is
+    On construction it writes run.json (or, with defer_manifest, leaves it to commit_manifest()),
+    or checks an existing one (ManifestMismatchError when it differs). `publish` may be called from one background thread; the index append is
     locked so a second thread would also be safe.
     """
 
@@ -235,6 +235,7 @@ class ShardWriter:
         *,
         check_finite: bool = True,
         fsync_index: bool = True,
+        defer_manifest: bool = False,
     ):
         self.output_dir = os.fspath(output_dir)
         self.manifest = manifest
@@ -262,8 +263,17 @@ class ShardWriter:
             mismatches = manifest_mismatches(existing, manifest)
             if mismatches:
                 self._take_another_dataset(existing, mismatches)
-        else:
+        elif not defer_manifest:
             write_manifest(self.output_dir, manifest)
+        # A new output's run.json, left to commit_manifest() (defer_manifest): the runner writes it
+        # once the run can start, so a start that fails leaves no run.json to refuse the next one.
+        self.manifest_pending = defer_manifest and not os.path.exists(os.path.join(self.output_dir, MANIFEST_NAME))
+
+    def commit_manifest(self) -> None:
+        """Write the run.json that construction deferred (defer_manifest, a new output); else nothing."""
+        if self.manifest_pending:
+            write_manifest(self.output_dir, self.manifest)
+            self.manifest_pending = False
 
     def _take_another_dataset(self, existing: RunManifest, mismatches: list[str]) -> None:
         """run.json rewritten for this run when only the dataset differs and the output holds no

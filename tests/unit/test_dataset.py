@@ -224,3 +224,103 @@ def test_a_backend_that_disagrees_is_not_used(tok) -> None:
     ids, mask, _ = _reference_encode(tok, conv, None)
     assert ct._backend is None and s.input_ids.tolist() == ids and s.loss_mask.tolist() == mask
     assert ct.encode(conv).input_ids.tolist() == ids
+
+
+def test_a_row_whose_assistant_turns_are_all_empty_is_a_row_error(tmp_path: Path) -> None:
+    user = {"role": "user", "content": "q"}
+    ds = _write(
+        tmp_path / "d.jsonl",
+        [
+            {"messages": [user, {"role": "assistant", "content": ""}]},  # 1
+            {"messages": [user, {"role": "assistant", "content": " \n"}]},  # 2
+            {
+                "messages": [
+                    user,
+                    {"role": "assistant", "content": ""},
+                    user,
+                    {"role": "assistant", "content": "a"},
+                ]
+            },
+        ],
+    )
+    scan = scan_dataset(ds)
+    assert [e.line for e in scan.entries] == [3]
+    reasons = {e.line: e.reason for e in scan.errors}
+    assert sorted(reasons) == [1, 2]
+    assert all("every assistant turn is empty" in r for r in reasons.values()), reasons
+
+
+def test_developer_role_and_tool_call_turns_are_accepted(tmp_path: Path, tok) -> None:
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    row = {
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": call},
+            {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "f"},
+            {"role": "assistant", "content": "Sunny."},
+        ]
+    }
+    no_content = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": call}]}
+    scan = scan_dataset(_write(tmp_path / "d.jsonl", [row, no_content]))
+    assert scan.errors == [] and len(scan.entries) == 2
+    conv, conv2 = read_conversations(tmp_path / "d.jsonl", scan.entries)
+    assert conv.messages[0] == {"role": "system", "content": "Be brief."}  # developer = system
+    assert conv.messages[2] == {"role": "assistant", "content": "", "tool_calls": call}
+    assert conv.messages[3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "f"}
+    sample = ChatTokenizer(tok).encode(conv)
+    assert tok.decode(sample.input_ids[sample.loss_mask.bool()]).endswith("Sunny.<|end|><|eos|>")
+
+
+def test_odd_tool_fields_are_row_errors(tmp_path: Path) -> None:
+    user = {"role": "user", "content": "x"}
+    ds = _write(
+        tmp_path / "d.jsonl",
+        [
+            {"messages": [user, {"role": "assistant", "content": None}]},  # 1 null, no tool call
+            {"messages": [user, {"role": "assistant", "content": None, "tool_calls": "f()"}]},  # 2
+            {
+                "messages": [user, {"role": "assistant", "content": None, "tool_calls": [{"x": "\ud83d"}]}]
+            },  # 3
+        ],
+    )
+    reasons = {e.line: e.reason for e in scan_dataset(ds).errors}
+    assert sorted(reasons) == [1, 2, 3]
+    assert "content must be a string" in reasons[1]
+    assert "tool_calls must be a list of objects" in reasons[2]
+    assert "lone surrogate" in reasons[3]
+
+
+def test_a_row_over_the_byte_bound_is_a_row_error_and_never_read_whole(tmp_path: Path) -> None:
+    small = {"messages": MSGS[:3]}
+    big = {"messages": [MSGS[1], {"role": "assistant", "content": "x" * 5000}]}
+    ds = _write(tmp_path / "d.jsonl", [small, big, {"id": 3, **SHAREGPT}])
+    (tmp_path / "tail.jsonl").write_bytes(ds.read_bytes() + b'{"messages": "' + b"y" * 9000)  # no newline
+    for path in (ds, tmp_path / "tail.jsonl"):
+        scan = scan_dataset(path, max_row_bytes=4096)
+        assert [e.line for e in scan.entries] == [1, 3]
+        reasons = {e.line: e.reason for e in scan.errors}
+        size = len(json.dumps(big))
+        assert reasons[2] == (
+            f"row is {size} bytes, over the 4096-byte bound (--max-row-bytes): split the conversation or raise the bound"
+        )
+        assert scan.sha256 == __import__("hashlib").sha256(path.read_bytes()).hexdigest()
+        assert [c.sample_id for c in read_conversations(path, scan.entries)] == [content_id(MSGS[:3]), "3"]
+    assert [e.line for e in scan_dataset(tmp_path / "tail.jsonl", max_row_bytes=4096).errors] == [2, 4]
+    assert scan_dataset(ds).errors == []  # the default bound (DEFAULT_MAX_ROW_BYTES) is MiBs
+
+
+def test_a_long_text_is_cut_before_it_is_tokenized_with_the_same_tokens(tok) -> None:
+    long_reply = " ".join(f"word{i} and more." for i in range(4000))  # ~70k characters
+    conv = Conversation("x", [MSGS[1], {"role": "assistant", "content": long_reply}], 1)
+    full = ChatTokenizer(tok).encode(conv)
+    ct = ChatTokenizer(tok, max_length=50)
+    seen: list[int] = []
+    real = ct._ids_and_offsets
+    ct._ids_and_offsets = lambda text: (seen.append(len(text)), real(text))[1]  # type: ignore[method-assign]
+    for _ in range(2):  # the first cut is checked against the whole text, later ones are trusted
+        cut = ct.encode(conv)
+        assert cut.input_ids.tolist() == full.input_ids[:50].tolist()
+        assert cut.loss_mask.tolist() == full.loss_mask[:50].tolist()
+        assert cut.truncated and cut.meta["num_tokens_full"] is None
+    assert max(seen[1:]) < 5000 < len(long_reply), seen  # only the start of the text was tokenized

@@ -11,10 +11,9 @@ import os
 
 import pytest
 from ansible.module_utils.testing import patch_module_args
+from ansible_modules import load_module
 
 from hsx import gpu_health as gh
-
-from ansible_modules import load_module
 
 module = load_module("gpu_health")
 

@@ -567,7 +567,10 @@ def test_property_a_good_row_is_refused_exactly_when_its_text_is_not_unicode(
         if not raw_utf8:  # what a reader gets: JSON joins an escaped pair "\\ud83d\\ude00" into one
             row = json.loads(json.dumps(row))
         texts = [m["content"] for m in row["messages"]] + ([row["id"]] if isinstance(row.get("id"), str) else [])
-        if all(_valid_unicode(t) for t in texts):
+        said = any(m["role"] == "assistant" and m["content"].strip() for m in row["messages"])
+        if all(_valid_unicode(t) for t in texts) and not said:  # nothing to train on
+            assert "every assistant turn is empty" in errors[n] or "duplicate id" in errors[n], errors.get(n)
+        elif all(_valid_unicode(t) for t in texts):
             assert n in ok or "duplicate id" in errors[n], (row, errors.get(n))
         elif raw_utf8:  # CESU bytes of a surrogate are not UTF-8: the line is not even JSON text
             assert "invalid JSON" in errors[n] or "lone surrogate" in errors[n], errors.get(n)
