@@ -110,16 +110,18 @@ def _checks(f: dict[str, Any]) -> list[dict[str, Any]]:
     if gpu:
         changed = gpu.get("units_changed") or []
         ended = gpu.get("processes_ended") or []
-        health = gpu.get("health") if isinstance(gpu.get("health"), dict) else {}
-        findings = [x.get("message", "") for x in health.get("findings") or [] if isinstance(x, dict)]
         add(
             "gpus",
-            not gpu.get("failed") and health.get("passed", True) is not False,
+            not gpu.get("failed"),
             f"{len(gpu.get('units_running') or [])} units held the node "
             f"({', '.join(gpu.get('units_running') or []) or 'none'}); changed {', '.join(changed) or 'nothing'}; "
-            f"{len(ended)} GPU processes ended; {gpu.get('gpus', 0)} GPUs"
-            + (f"; health: {'; '.join(findings) or 'passed'}" if health.get("checked") else ""),
+            f"{len(ended)} GPU processes ended; {gpu.get('gpus', 0)} GPUs",
         )
+    health = f.get("gpu_reclaim_health_result")
+    if isinstance(health, dict):
+        findings = [x.get("message", "") for x in health.get("findings") or [] if isinstance(x, dict)]
+        add("gpu health", health.get("passed") is not False,
+            "; ".join(findings) or health.get("msg") or "passed")
     storage = f.get("storage_guard_result")
     if storage:
         add(

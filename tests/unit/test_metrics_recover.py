@@ -28,13 +28,12 @@ PLAY = """
         gpu_reclaim_result:
           units_changed: [vllm.service, sglang-old.service]
           processes_ended: [{pid: 7}]
-          health:
-            checked: true
-            findings: >-
-              {{ [{'gpu': 3, 'check': 'ecc', 'severity': 'fail', 'message': 'GPU 3: 2 uncorrectable'},
-                  {'gpu': 3, 'check': 'xid', 'severity': 'fail', 'message': 'GPU 3: XID 48'},
-                  {'gpu': 1, 'check': 'ecc', 'severity': 'warn', 'message': 'GPU 1: ECC is disabled'}]
-                 if failed | bool else [] }}
+        gpu_reclaim_health_result:
+          findings: >-
+            {{ [{'gpu': 3, 'check': 'ecc', 'severity': 'fail', 'message': 'GPU 3: 2 uncorrectable'},
+                {'gpu': 3, 'check': 'xid', 'severity': 'fail', 'message': 'GPU 3: XID 48'},
+                {'gpu': 1, 'check': 'ecc', 'severity': 'warn', 'message': 'GPU 1: ECC is disabled'}]
+               if failed | bool else [] }}
     - name: A failure, when asked
       ansible.builtin.set_fact:
         recover_report_failed_stage: 'job "x"'

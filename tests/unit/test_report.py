@@ -112,18 +112,19 @@ def test_report_json_has_the_documented_shape(tmp_path, host):
     assert all({"name", "ok", "detail"} == set(c) for c in data["checks"])
 
 
-def test_a_gpu_that_failed_the_health_gate_fails_the_gpus_check_with_the_findings():
+def test_a_gpu_that_failed_the_health_gate_is_its_own_failed_check_with_the_findings():
     facts = json.loads(json.dumps(RECOVERED))
-    facts["gpu_reclaim_result"]["health"] = {"checked": True, "passed": True, "findings": []}
-    gpus = {c["name"]: c for c in host_report(facts)["checks"]}["gpus"]
-    assert gpus["ok"] and gpus["detail"].endswith("8 GPUs; health: passed")
-    facts["gpu_reclaim_result"]["health"] = {
-        "checked": True, "passed": False,
+    facts["gpu_reclaim_health_result"] = {"passed": True, "findings": [], "msg": "8 GPUs healthy"}
+    checks = {c["name"]: c for c in host_report(facts)["checks"]}
+    assert checks["gpu health"] == {"name": "gpu health", "ok": True, "detail": "8 GPUs healthy"}
+    facts["gpu_reclaim_health_result"] = {
+        "passed": False, "msg": "GPU health gate failed: ...",
         "findings": [{"gpu": 3, "check": "ecc", "severity": "fail",
                       "message": "GPU 3: 2 uncorrectable ECC errors since the driver loaded"}]}
     r = host_report(facts)
-    gpus = {c["name"]: c for c in r["checks"]}["gpus"]
-    assert not r["ok"] and not gpus["ok"] and "health: GPU 3: 2 uncorrectable ECC errors" in gpus["detail"]
+    health = {c["name"]: c for c in r["checks"]}["gpu health"]
+    assert not r["ok"] and not health["ok"]
+    assert health["detail"] == "GPU 3: 2 uncorrectable ECC errors since the driver loaded"
 
 
 def test_recover_against_an_unreachable_host_still_writes_summary_md(tmp_path):
