@@ -42,7 +42,7 @@ fi
 git -C "$coll" init -q
 cd "$coll"
 rc=0
-ANSIBLE_COLLECTIONS_PATH=$out "$BIN/antsibull-docs" lint-collection-docs --plugin-docs . || rc=1
+PATH=$BIN:$PATH ANSIBLE_COLLECTIONS_PATH=$out "$BIN/antsibull-docs" lint-collection-docs --plugin-docs . || rc=1
 # Two differences from `make lint`, each for a stated reason: playbooks/tasks/ call our modules by
 # short name, which resolves when the playbook runs by FQCN (ansible-playbook makes a collection
 # playbook's collection the default) but not in syntax-check of that file alone (`make lint` checks
