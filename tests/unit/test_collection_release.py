@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 import tarfile
 import tomllib
@@ -96,3 +97,13 @@ def test_every_filter_is_documented_as_filter_plugins_are(name):
     doc = yaml.safe_load((ROOT / "filter_plugins" / f"{name}.yml").read_text())
     assert doc["DOCUMENTATION"]["name"] == name and doc["DOCUMENTATION"]["options"]["_input"]
     assert f"| {name}" in doc["EXAMPLES"] and doc["RETURN"]["_value"]["description"]
+
+
+@pytest.mark.parametrize("text", ["releases: [unclosed\n", "- a list\n", "releases:\n  not-a-version: {}\n"])
+def test_a_changelog_yaml_that_cannot_be_read_stops_the_build_naming_it(tmp_path, monkeypatch, text):
+    changelogs = tmp_path / "changelogs"
+    shutil.copytree(ROOT / "changelogs", changelogs)
+    (changelogs / "changelog.yaml").write_text(text)
+    monkeypatch.setattr(build, "CHANGELOGS", changelogs)
+    with pytest.raises(build.BuildError, match=r"^changelogs/changelog\.yaml: .*antsibull-changelog"):
+        build.build(tmp_path / "out")

@@ -62,7 +62,7 @@ import tomllib
 from pathlib import Path
 
 import yaml
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -189,17 +189,26 @@ def _galaxy_yml(version: str) -> str:
 
 
 def _antsibull_changelog(coll: Path, *args: str) -> None:
-    """antsibull-changelog ARGS run in the generated collection; BuildError with its output if it fails."""
+    """antsibull-changelog ARGS run in the generated collection; ChangelogError with its output if it fails."""
     env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(coll.parents[2]))  # its plugin scan finds hsx.recovery
     done = subprocess.run([sys.executable, "-m", "antsibull_changelog", *args], cwd=coll, env=env,
                           capture_output=True, text=True)
     if done.returncode:
-        raise ChangelogError(f"antsibull-changelog {' '.join(args)} failed in {coll}:\n{done.stdout}{done.stderr}")
+        raise ChangelogError(f"antsibull-changelog {' '.join(args)} failed in {coll} (fix what it names in "
+                             f"changelogs/, this checkout's, and run again):\n{done.stdout}{done.stderr}")
 
 
 def _check_changelog(coll: Path, version: str) -> None:
-    """BuildError unless changelogs/changelog.yaml has released `version` (pyproject.toml's)."""
-    latest = latest_release(yaml.safe_load((coll / "changelogs" / "changelog.yaml").read_text()) or {})
+    """BuildError unless changelogs/changelog.yaml has released `version` (pyproject.toml's); also
+    when it is not a changelog (not YAML, not a mapping, a release that is no version)."""
+    try:
+        changes = yaml.safe_load((coll / "changelogs" / "changelog.yaml").read_text())
+        if not isinstance(changes, dict) or not isinstance(changes.get("releases") or {}, dict):
+            raise ValueError("not a mapping with a mapping `releases`")
+        latest = latest_release(changes)
+    except (OSError, yaml.YAMLError, ValueError, InvalidVersion) as e:
+        raise BuildError(f"changelogs/changelog.yaml: not a changelog antsibull-changelog keeps ({e}); "
+                         "restore it from git (`git checkout changelogs/changelog.yaml`)") from None
     if latest != version:
         raise BuildError(
             f"changelogs/changelog.yaml: the latest release is {latest}, but pyproject.toml's version is {version}; "
@@ -208,7 +217,7 @@ def _check_changelog(coll: Path, version: str) -> None:
 
 def release(out: Path) -> Path:
     """Release pyproject.toml's version: build the collection under `out`, run `antsibull-changelog
-    release` there (the fragments become the release; new modules and roles are listed), write its
+    release` there (the fragments become the release; new modules are listed), write its
     changelogs/changelog.yaml back to this checkout and remove the fragments it used; then the
     collection's CHANGELOG.md. Returns the collection's directory."""
     coll = build(out, check_changelog=False)
