@@ -37,7 +37,8 @@ unit: setup
 collection: setup
 	$(BIN)/python tools/collection/build.py --tarball
 
-# ansible-test sanity on the generated collection (a stage of `make test` too).
+# ansible-test sanity on the generated collection (a stage of `make test` too), its docs by
+# antsibull-docs lint-collection-docs and its roles and playbooks by ansible-lint.
 sanity: setup
 	tools/collection/sanity.sh
 

@@ -8,9 +8,11 @@ second copy in git. One source, two layouts:
     library/*.py                    ->   plugins/modules/*.py     imports rewritten (below)
     module_utils/hsx/**             ->   plugins/module_utils/hsx/**   verbatim
     filter_plugins/*.py             ->   plugins/filter/*.py      verbatim
+    filter_plugins/*.yml            ->   plugins/filter/*.yml     the filters' docs; filter names -> FQCN
     roles/**                        ->   roles/**                 links followed; filter names -> FQCN
     playbooks/**                    ->   playbooks/**             filter names -> FQCN
     LICENSE, tools/collection/{galaxy.yml.in,README.md,runtime.yml,config.yml} -> the collection's own
+    changelogs/{config.yaml,changelog.yaml,fragments/} ->   changelogs/**  and CHANGELOG.md generated
     (generated) tests/sanity/ignore-2.19.txt: the host-side python3 scripts' shebangs (sanity_ignores)
 
 Why the two rewrites, and nothing else:
@@ -34,20 +36,33 @@ copy of each test and torch in ansible-test's venv. The generated copies are cov
 compile and import tests (tools/collection/sanity.sh) and run installed, by FQCN, against a lab host
 in tests/integration/test_collection.py.
 
-Exit status: 0 built, 2 a source does not have the shape the rewrite relies on (the message says
-which file and line).
+The changelog is kept the antsibull-changelog way in this checkout's changelogs/ (a fragment per
+user-visible change in changelogs/fragments/); antsibull-changelog needs a collection (galaxy.yml), so
+it runs in the generated one: `generate` writes its CHANGELOG.md at every build, and `--release`
+turns the fragments into pyproject.toml's version's release there and writes changelogs/changelog.yaml
+back here (the fragments it used are removed here, as antsibull-changelog does). The version lives in
+pyproject.toml only: a build whose changelog has not released that version stops (exit 2) and says so.
+
+Exit status: 0 built, 2 a source does not have the shape the rewrite relies on, or the changelog does
+not release pyproject.toml's version (the message says which file and what to do), 1 antsibull-changelog
+failed (its output is shown).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import yaml
+from packaging.version import InvalidVersion, Version
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -59,10 +74,19 @@ DEFAULT_OUT = ROOT / ".cache" / "collection"
 TEXT_SUFFIXES = {".yml", ".yaml", ".j2", ".md"}
 SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
 HOST_PYTHON3_SHEBANGS = (b"#!/usr/bin/python3", b"#!/usr/bin/env python3")
+CHANGELOGS = ROOT / "changelogs"
+# galaxy.yml's URL fields from pyproject.toml's [project.urls] (PEP 621 / PyPI's well-known labels,
+# compared as PyPI does: case, spaces, "-" and "_" ignored).
+GALAXY_URL_LABELS = {"repository": ("repository", "source", "sourcecode"), "documentation": ("documentation", "docs"),
+                     "homepage": ("homepage",), "issues": ("issues", "bugtracker", "issuetracker", "bugs")}
 
 
 class BuildError(Exception):
     """A source file does not have the shape the generation relies on."""
+
+
+class ChangelogError(Exception):
+    """antsibull-changelog failed (the message holds its output)."""
 
 
 def collection_dir(out: Path) -> Path:
@@ -142,8 +166,74 @@ def _template(name: str, version: str) -> str:
     return (HERE / name).read_text().replace("@VERSION@", version)
 
 
-def build(out: Path) -> Path:
-    """Generate the collection under `out` (replacing an earlier one); returns its directory."""
+def galaxy_urls(project: dict) -> dict[str, str]:
+    """galaxy.yml's repository/documentation/homepage/issues from `project` (pyproject.toml's
+    [project] table): its [project.urls] entries with the matching labels; fields it lacks are left
+    out (the project has no public URL yet: none is invented)."""
+    urls = {re.sub(r"[-_.\s]", "", k.lower()): v for k, v in project.get("urls", {}).items()}
+    found = {field: next((urls[label] for label in labels if label in urls), None)
+             for field, labels in GALAXY_URL_LABELS.items()}
+    return {field: url for field, url in found.items() if url}
+
+
+def latest_release(changes: dict) -> str | None:
+    """The highest version (by version order, not text) that a changelog.yaml's releases hold."""
+    releases = changes.get("releases") or {}
+    return str(max(releases, key=Version)) if releases else None
+
+
+def _galaxy_yml(version: str) -> str:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extra = "".join(f"{field}: {json.dumps(url)}\n" for field, url in galaxy_urls(project).items())
+    return _template("galaxy.yml.in", version) + extra
+
+
+def _antsibull_changelog(coll: Path, *args: str) -> None:
+    """antsibull-changelog ARGS run in the generated collection; ChangelogError with its output if it fails."""
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(coll.parents[2]))  # its plugin scan finds hsx.recovery
+    done = subprocess.run([sys.executable, "-m", "antsibull_changelog", *args], cwd=coll, env=env,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise ChangelogError(f"antsibull-changelog {' '.join(args)} failed in {coll} (fix what it names in "
+                             f"changelogs/, this checkout's, and run again):\n{done.stdout}{done.stderr}")
+
+
+def _check_changelog(coll: Path, version: str) -> None:
+    """BuildError unless changelogs/changelog.yaml has released `version` (pyproject.toml's); also
+    when it is not a changelog (not YAML, not a mapping, a release that is no version)."""
+    try:
+        changes = yaml.safe_load((coll / "changelogs" / "changelog.yaml").read_text())
+        if not isinstance(changes, dict) or not isinstance(changes.get("releases") or {}, dict):
+            raise ValueError("not a mapping with a mapping `releases`")
+        latest = latest_release(changes)
+    except (OSError, yaml.YAMLError, ValueError, InvalidVersion) as e:
+        raise BuildError(f"changelogs/changelog.yaml: not a changelog antsibull-changelog keeps ({e}); "
+                         "restore it from git (`git checkout changelogs/changelog.yaml`)") from None
+    if latest != version:
+        raise BuildError(
+            f"changelogs/changelog.yaml: the latest release is {latest}, but pyproject.toml's version is {version}; "
+            f"release it (tools/collection/build.py --release, after adding changelogs/fragments/) or fix the version")
+
+
+def release(out: Path) -> Path:
+    """Release pyproject.toml's version: build the collection under `out`, run `antsibull-changelog
+    release` there (the fragments become the release; new modules are listed), write its
+    changelogs/changelog.yaml back to this checkout and remove the fragments it used; then the
+    collection's CHANGELOG.md. Returns the collection's directory."""
+    coll = build(out, check_changelog=False)
+    _antsibull_changelog(coll, "release", "--version", project_version())
+    shutil.copy2(coll / "changelogs" / "changelog.yaml", CHANGELOGS / "changelog.yaml")
+    for fragment in (CHANGELOGS / "fragments").iterdir():
+        if not fragment.name.startswith(".") and not (coll / "changelogs" / "fragments" / fragment.name).exists():
+            fragment.unlink()
+    _antsibull_changelog(coll, "generate")
+    return coll
+
+
+def build(out: Path, check_changelog: bool = True) -> Path:
+    """Generate the collection under `out` (replacing an earlier one); returns its directory.
+    BuildError when changelogs/ has not released pyproject.toml's version (unless `check_changelog`
+    is false: what `release` uses to make it so)."""
     coll = collection_dir(out)
     if coll.exists():
         shutil.rmtree(coll)
@@ -154,11 +244,11 @@ def build(out: Path) -> Path:
         rel = str(path.relative_to(ROOT))
         (modules / path.name).write_text(rewrite_imports(path.read_text(), rel))
     shutil.copytree(ROOT / "module_utils" / "hsx", coll / "plugins" / "module_utils" / "hsx", ignore=SKIP)
-    shutil.copytree(ROOT / "filter_plugins", coll / "plugins" / "filter", ignore=SKIP)
+    _copy_tree(ROOT / "filter_plugins", coll / "plugins" / "filter", names)  # the docs' examples name FQCNs
     _copy_tree(ROOT / "roles", coll / "roles", names)
     _copy_tree(ROOT / "playbooks", coll / "playbooks", names)
     shutil.copy2(ROOT / "LICENSE", coll / "LICENSE")
-    (coll / "galaxy.yml").write_text(_template("galaxy.yml.in", version))
+    (coll / "galaxy.yml").write_text(_galaxy_yml(version))
     (coll / "README.md").write_text(_template("README.md", version))
     (coll / "meta").mkdir()
     shutil.copy2(HERE / "runtime.yml", coll / "meta" / "runtime.yml")
@@ -167,6 +257,10 @@ def build(out: Path) -> Path:
     ignores = sanity_ignores(coll)
     if ignores:
         (coll / "tests" / "sanity" / f"ignore-{ansible_core_series()}.txt").write_text("".join(ignores))
+    shutil.copytree(CHANGELOGS, coll / "changelogs", ignore=SKIP)
+    if check_changelog:
+        _check_changelog(coll, version)
+        _antsibull_changelog(coll, "generate")
     return coll
 
 
@@ -199,12 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="generate OUT/ansible_collections/hsx/recovery (default: .cache/collection)")
     parser.add_argument("--tarball", action="store_true", help="also build OUT/dist/hsx-recovery-VERSION.tar.gz")
+    parser.add_argument("--release", action="store_true",
+                        help="release pyproject.toml's version from changelogs/fragments/ into changelogs/changelog.yaml")
     args = parser.parse_args(argv)
     try:
-        coll = build(args.out.resolve())
+        coll = release(args.out.resolve()) if args.release else build(args.out.resolve())
     except BuildError as e:
         print(f"collection: {e}", file=sys.stderr)
         return 2
+    except ChangelogError as e:
+        print(f"collection: {e}", file=sys.stderr)
+        return 1
     print(coll)
     if args.tarball:
         print(build_tarball(coll, args.out.resolve() / "dist"))
