@@ -133,3 +133,9 @@ def check_assignment(hosts: Mapping[str, str], buckets: int, where: str = "assig
     missing = set(range(buckets)) - owner.keys()
     if missing:
         raise AssignError(f"{where}: bucket(s) {format_ranges(missing)} are on no host")
+
+
+def host_changes(recorded: Iterable[str], hosts: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(new, gone): the hosts not in a recorded assignment, and those it has that are not here."""
+    before, now = set(recorded), set(hosts)
+    return sorted(now - before), sorted(before - now)
