@@ -37,6 +37,13 @@ options:
         description: The bucket count of a new assignment; an existing file with another count fails the task.
         type: int
         default: 1024
+    create:
+        description:
+            - Whether a missing file may be made. The role passes false when the play runs with C(--limit), since
+              an assignment made from part of the fleet would give the rest of it nothing; the task then fails,
+              saying so.
+        type: bool
+        default: true
 """
 
 EXAMPLES = r"""
@@ -119,9 +126,19 @@ def encode(assignment: dict[str, Any]) -> bytes:
     return (json.dumps(assignment, indent=2) + "\n").encode("utf-8")
 
 
-def resolve(path: str, hosts: list[str], buckets: int, check_mode: bool) -> tuple[dict[str, Any], bool, list[str]]:
-    """(assignment, changed, warnings): the file's assignment, made from `hosts` when there is none."""
+def resolve(
+    path: str, hosts: list[str], buckets: int, check_mode: bool, create: bool = True
+) -> tuple[dict[str, Any], bool, list[str]]:
+    """(assignment, changed, warnings): the file's assignment, made from `hosts` when there is none
+    (AssignmentFileError then unless `create`)."""
     recorded = read_assignment(path)
+    if recorded is None and not create:
+        raise AssignmentFileError(
+            f"{path}: no assignment yet, and this play runs on part of the fleet (--limit): one made from "
+            f"{', '.join(hosts) or 'no host'} alone would give every other host nothing. Run the play once "
+            "without --limit to make it (with --check first to see it), or set hsx_assignment_file: '' for no "
+            "derived split"
+        )
     if recorded is None:
         try:
             made = derive_assignment(hosts, buckets)
@@ -166,13 +183,14 @@ def main() -> None:
             "path": {"type": "path", "required": True},
             "hosts": {"type": "list", "elements": "str", "required": True},
             "buckets": {"type": "int", "default": 1024},
+            "create": {"type": "bool", "default": True},
         },
         supports_check_mode=True,
     )
     p = module.params
     path = os.path.abspath(p["path"])
     try:
-        assignment, changed, warnings = resolve(path, list(p["hosts"]), p["buckets"], module.check_mode)
+        assignment, changed, warnings = resolve(path, list(p["hosts"]), p["buckets"], module.check_mode, p["create"])
     except AssignmentFileError as e:
         module.fail_json(msg=str(e), path=path)
     for w in warnings:

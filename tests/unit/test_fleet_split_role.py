@@ -20,7 +20,7 @@ from hsx.buckets import parse_assign
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def play(tmp: Path, hosts: list[str], **group_vars: object) -> subprocess.CompletedProcess:
+def play(tmp: Path, hosts: list[str], *args: str, **group_vars: object) -> subprocess.CompletedProcess:
     """configure.yml on `hosts` (local stand-ins); each host's config at tmp/<host>/run.yaml."""
     py = sys.executable
     inventory = {"all": {"hosts": {h: {"ansible_connection": "local", "ansible_python_interpreter": py} for h in hosts},
@@ -34,7 +34,7 @@ def play(tmp: Path, hosts: list[str], **group_vars: object) -> subprocess.Comple
     env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
     env.update(ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
     return subprocess.run([str(Path(py).parent / "ansible-playbook"), "-i", str(tmp / "inventory.json"),
-                           str(tmp / "play.yml")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           str(tmp / "play.yml"), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def config(tmp: Path, host: str) -> dict:
@@ -69,6 +69,9 @@ def test_explicit_shards_win_and_a_fleet_of_one_runs_everything(tmp_path) -> Non
     assert (cfg["shard_index"], cfg["num_shards"]) == (1, 2) and "assign" not in cfg and "buckets" not in cfg
     assert not (tmp_path / "legacy" / "fleet").exists()
     (tmp_path / "one").mkdir()
+    proc = play(tmp_path / "one", ["n1", "n2"], "--limit", "n1")  # never made from part of the fleet
+    assert proc.returncode != 0 and "this play runs on part of the fleet (--limit)" in proc.stdout
+    assert not (tmp_path / "one" / "fleet").exists()
     proc = play(tmp_path / "one", ["n1"])
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "assign" not in config(tmp_path / "one", "n1")

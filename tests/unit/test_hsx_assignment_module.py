@@ -52,6 +52,16 @@ def test_a_changed_host_list_is_reported_saying_which_hosts(capsys, tmp_path) ->
     assert path.read_bytes() == before
 
 
+def test_never_made_from_part_of_the_fleet(capsys, tmp_path) -> None:
+    path = tmp_path / "fleet" / "a.json"
+    r = run_module(capsys, path=str(path), hosts=["new-node"], buckets=8, create=False)
+    assert r["failed"] and "this play runs on part of the fleet (--limit)" in r["msg"] and not path.exists()
+    assert "Run the play once without --limit" in r["msg"]
+    run_module(capsys, path=str(path), hosts=["a", "b"], buckets=8)
+    r = run_module(capsys, path=str(path), hosts=["a"], buckets=8, create=False)  # made: read as usual
+    assert not r.get("failed") and r["assignment"] == {"a": "0-3", "b": "4-7"}
+
+
 @pytest.mark.parametrize(
     ("content", "says"),
     [
