@@ -23,6 +23,8 @@ description:
 version_added: "0.1.0"
 author:
     - hsx maintainers (!UNKNOWN)
+requirements:
+    - python >= 3.10 on the managed host
 options:
     path:
         description: The assignment file (its directory is made if absent).
