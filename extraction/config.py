@@ -91,6 +91,8 @@ class ExtractConfig:
     retry_backoff: float = 1.0
     shard_index: int = 0
     num_shards: int = 1
+    buckets: int | None = None  # None: run.json's, else hsx.buckets.DEFAULT_BUCKETS (a new run)
+    assign: str | None = None  # this node's buckets ("0-255,512-767"); None: the legacy split above
     limit: int | None = None
     status_interval: float = 3.0
     metrics_textfile_dir: str | None = None  # node_exporter's textfile directory (extraction/runner/metrics.py)
@@ -120,6 +122,7 @@ class ExtractConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if not 0 <= self.shard_index < self.num_shards:
             raise ConfigError(f"--shard-index must be in 0..{self.num_shards - 1}, got {self.shard_index}")
+        self.check_split()
         if self.retries < 0:
             raise ConfigError(f"--retries must be >= 0, got {self.retries}")
         if self.publisher not in PUBLISHERS:
@@ -130,6 +133,31 @@ class ExtractConfig:
             raise ConfigError(f"--progress must be auto, on, lines or off, got {self.progress!r}")
         if not self.progress_interval >= 0:
             raise ConfigError(f"--progress-interval must be >= 0 seconds, got {self.progress_interval}")
+
+    def check_split(self) -> None:
+        """--buckets/--assign against --shard-index/--num-shards: one split or the other."""
+        from hsx.buckets import MAX_BUCKETS, AssignError, check_buckets, parse_assign
+
+        try:
+            if self.buckets is not None:
+                check_buckets(self.buckets, "--buckets")
+        except AssignError as e:
+            raise ConfigError(str(e)) from None
+        try:  # the range against run.json's count is checked when the run starts (resume.run_buckets)
+            if self.assign is not None:
+                parse_assign(self.assign, self.buckets or MAX_BUCKETS)
+        except AssignError as e:
+            raise ConfigError(f"--assign: {e}") from None
+        if self.assign is not None and self.num_shards > 1:
+            raise ConfigError(
+                "--assign and --num-shards are two ways to split the dataset: give one (--assign with "
+                "--buckets for a new run; --shard-index/--num-shards only to resume an output made with them)"
+            )
+
+    @property
+    def partial(self) -> bool:
+        """True when this node runs part of the dataset (--assign, or --num-shards > 1)."""
+        return self.assign is not None or self.num_shards > 1
 
 
 _CONVERTERS: dict[str, Any] = {
@@ -145,6 +173,7 @@ _CONVERTERS: dict[str, Any] = {
     "retry_backoff": float,
     "shard_index": int,
     "num_shards": int,
+    "buckets": int,
     "limit": int,
     "status_interval": float,
     "progress_interval": float,
@@ -185,7 +214,12 @@ _HELP = {
     "retries": "retries per sample before it is logged as failed",
     "retry_backoff": "first retry delay in seconds (doubles each time)",
     "shard_index": "this node's part of the dataset (0-based)",
-    "num_shards": "number of nodes splitting the dataset by a hash of the sample id",
+    "num_shards": "number of nodes splitting the dataset by a hash of the sample id (the legacy split: "
+    "outputs made with it resume with it; new fleets use --buckets/--assign)",
+    "buckets": "the number of work units the run's samples fall into by a hash of the sample id; fixed "
+    "when the run is created (run.json; default 1024, or what run.json records)",
+    "assign": "the buckets this node runs, e.g. 0-255,512-767 (default: every sample); may change "
+    "between runs (a resume runs the buckets given now)",
     "limit": "process at most this many of this node's samples",
     "status_interval": "seconds between status.json updates",
     "metrics_textfile_dir": "node_exporter's textfile directory (Debian: /var/lib/prometheus/node-exporter): "

@@ -94,7 +94,7 @@ class Runner:
         self.bound_change = inputs.bound_change
         self.itemsize = ITEMSIZE[self.manifest.dtype]
         self.writer = open_output(cfg.output, self.manifest, self.output_lock, self.log)
-        self.assigned = node_samples(self.scan.entries, cfg)
+        self.assigned = node_samples(self.scan.entries, cfg, self.manifest.buckets)
         t0 = time.monotonic()
         self.done, bad = verified_done(
             cfg.output, self.manifest, {e.sample_id for e in self.assigned}, life.error
@@ -127,6 +127,8 @@ class Runner:
             "dataset": os.path.abspath(cfg.dataset),
             "shard_index": cfg.shard_index,
             "num_shards": cfg.num_shards,
+            "buckets": self.manifest.buckets,
+            "assign": cfg.assign,
             "resume_seconds": round(self.resume_seconds, 3),
             "resume_bad_shards": bad,
         }

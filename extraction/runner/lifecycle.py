@@ -237,6 +237,7 @@ class Lifecycle:
         line, and that the same command resumes once the dataset is fixed."""
         cfg, first = self.cfg, self.first_row_error or {}
         where = f" for this node (--shard-index {cfg.shard_index} of {cfg.num_shards})" if cfg.num_shards > 1 else ""
+        where = f" for this node (--assign {cfg.assign})" if cfg.assign is not None else where
         reason = str(first.get("reason", "?"))
         shapes = "" if ROW_SHAPES[0] in reason else f"; a row must be a JSON object with {' or '.join(ROW_SHAPES)}"
         again = "fix the dataset and run the same command again"
@@ -277,7 +278,7 @@ class Lifecycle:
             r.set_state("failed", self.abort)
             self.log(f"aborting: {self.abort}")
             return EXIT_FAILED
-        if r.total <= 0 and r.done == 0 and (r.row_errors or self.cfg.num_shards == 1):
+        if r.total <= 0 and r.done == 0 and (r.row_errors or not self.cfg.partial):
             msg = self.no_valid_rows()
             r.set_state("failed", msg)
             self.log(msg)

@@ -1,9 +1,11 @@
 """Plan: which samples this node runs, and the batches they run in.
 
 Contract:
-- `assigned_to`: node i of n runs a sample iff a hash of its stable id says so: no coordination,
-  the same answer whatever the dataset's order; `node_samples` is this node's entries in
-  dataset order, at most --limit of them.
+- `assigned_to`: node i of n runs a sample iff a hash of its stable id says so (the legacy
+  --shard-index/--num-shards split); with --assign a node runs the samples whose bucket
+  (hsx.buckets: the same id hash, modulo run.json's bucket count) it is assigned. No
+  coordination, the same answer whatever the dataset's order. `node_samples` is this node's
+  entries in dataset order, at most --limit of them.
 - `plan_windows` cuts them into fixed windows of WINDOW_BATCHES batches' worth, in dataset
   order; `batches_of_window` sorts a window's samples by (length, id) and cuts its batches (little
   padding, a fixed plan).
@@ -16,13 +18,13 @@ Contract:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 
 from extraction.backends.base import Sample
 from extraction.chat_tokenizer import ChatTokenizer
 from extraction.config import ExtractConfig
 from extraction.dataset import DatasetEntry, read_conversations
+from hsx.buckets import bucket_of, id_hash, parse_assign
 
 WINDOW_BATCHES = 16  # a planning window holds this many batches' worth of samples
 # Batches buffered between the stages: forward -> publisher, and at least this many tokenized ahead.
@@ -30,20 +32,23 @@ QUEUE_BATCHES = 4
 
 
 def assigned_to(sample_id: str, shard_index: int, num_shards: int) -> bool:
-    """Node assignment by a hash of the stable id: no coordination, stable under reordering.
-
-    Total: the scan lets only valid text through as an id, for which "surrogatepass" gives the
-    same bytes as "strict" (so the same assignment); an id with a lone surrogate still gets one
-    instead of a UnicodeEncodeError."""
+    """Node assignment by a hash of the stable id (hsx.buckets.id_hash, total): no coordination,
+    stable under reordering."""
     if num_shards == 1:
         return True
-    h = int.from_bytes(hashlib.sha256(sample_id.encode("utf-8", "surrogatepass")).digest()[:8], "big")
-    return h % num_shards == shard_index
+    return id_hash(sample_id) % num_shards == shard_index
 
 
-def node_samples(entries: list[DatasetEntry], cfg: ExtractConfig) -> list[DatasetEntry]:
-    """This node's entries (--shard-index of --num-shards), in dataset order, at most --limit."""
-    assigned = [e for e in entries if assigned_to(e.sample_id, cfg.shard_index, cfg.num_shards)]
+def node_samples(entries: list[DatasetEntry], cfg: ExtractConfig, buckets: int | None = None) -> list[DatasetEntry]:
+    """This node's entries, in dataset order, at most --limit: those in the buckets of --assign
+    (out of `buckets`, run.json's count), else --shard-index of --num-shards."""
+    if cfg.assign is not None:
+        if buckets is None:
+            raise ValueError("--assign needs the run's bucket count")
+        mine = parse_assign(cfg.assign, buckets)
+        assigned = [e for e in entries if bucket_of(e.sample_id, buckets) in mine]
+    else:
+        assigned = [e for e in entries if assigned_to(e.sample_id, cfg.shard_index, cfg.num_shards)]
     return assigned if cfg.limit is None else assigned[: cfg.limit]
 
 

@@ -9,6 +9,10 @@ Contract:
   samples already done keep theirs (they were within the old bound), new ones are cut at the new
   one, and the change goes to extra's `bound_history` (written by `update_run_json` once the run
   can start). Loosening it is refused: the output would hold samples cut at two bounds silently.
+- The bucket count (`run_buckets`): run.json's when the output has one (a different --buckets
+  is refused), else --buckets or hsx.buckets.DEFAULT_BUCKETS for a new run; None for a run.json
+  made before buckets, which resumes by --shard-index/--num-shards only (--assign/--buckets are
+  refused there). --assign is checked against it; the assignment itself is not in run.json.
 - `open_output` takes the output's lock before anything there is written or removed, then opens
   the shard writer, which refuses an output whose run.json differs from the manifest (RunError,
   nothing written; every refusal says what to do next) and leaves a new output's run.json to
@@ -43,6 +47,7 @@ from extraction.outputlock import OutputBusy, OutputLock
 from extraction.preflight import InputError, check_inputs
 from extraction.runner.lifecycle import RunError
 from extraction.shards import ManifestMismatchError, ShardWriter
+from hsx.buckets import DEFAULT_BUCKETS, AssignError, check_buckets, parse_assign
 from hsx.errors import ShardBad, ShardIOError
 from hsx.exitcodes import EXIT_FAILED, EXIT_PAUSED, EXIT_USAGE
 from hsx.fsutil import LinkRefused, nofollow_opener
@@ -100,6 +105,7 @@ def load_inputs(cfg: ExtractConfig) -> RunInputs:
     bound = token_bound(cfg, model_cfg)
     manifest = build_manifest(cfg, model_cfg, layer_ids, tokenizer, scan.sha256, bound)
     change = check_bound(cfg.output, manifest)
+    manifest.buckets = run_buckets(cfg)
     return RunInputs(model_cfg, layer_ids, scan, ChatTokenizer(tokenizer, bound), manifest, change)
 
 
@@ -168,6 +174,45 @@ def check_bound(output: str, manifest: RunManifest) -> dict[str, Any] | None:
     change = {"at": now_iso(), "from": old, "to": new}
     manifest.extra["bound_history"].append(change)
     return change
+
+
+def run_buckets(cfg: ExtractConfig) -> int | None:
+    """The run's bucket count (see the module's contract); RunError saying what to do for a
+    --buckets other than run.json's, --assign on an output made before buckets, or an --assign
+    naming a bucket the run does not have."""
+    output = cfg.output
+    if not os.path.lexists(os.path.join(output, MANIFEST_NAME)):
+        buckets: int | None = cfg.buckets or DEFAULT_BUCKETS
+    else:
+        try:
+            buckets = read_manifest_dict(output).get("buckets")
+        except ManifestError as e:
+            raise RunError(f"{e}; use another --output, or move the output aside if it is not a run") from None
+        if buckets is None and (cfg.assign is not None or cfg.buckets is not None):
+            raise RunError(
+                f"refusing to resume: {output} was made before buckets (its run.json records no bucket "
+                "count: its nodes split the dataset by --shard-index/--num-shards): resume it as it was "
+                "made, without --buckets/--assign (the roles: set hsx_shard_index/hsx_num_shards for this "
+                "host), or extract into another --output"
+            )
+        if buckets is not None and cfg.buckets is not None and cfg.buckets != buckets:
+            raise RunError(
+                f"refusing to resume: {output} holds a run of {buckets!r} buckets, this run asks for "
+                f"--buckets {cfg.buckets} (the bucket count is fixed when a run is made): drop --buckets "
+                f"(or give {buckets!r}), or use another --output"
+            )
+    if buckets is None:
+        return None
+    try:
+        check_buckets(buckets, os.path.join(output, MANIFEST_NAME))
+    except AssignError as e:
+        raise RunError(f"{e}; use another --output, or move the output aside if it is not a run") from None
+    if cfg.assign is not None:
+        try:
+            parse_assign(cfg.assign, buckets)
+        except AssignError as e:
+            raise RunError(f"--assign: {e}; give buckets of this run (0-{buckets - 1})") from None
+    return buckets
 
 
 def update_run_json(output: str, manifest: RunManifest) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .buckets import MAX_BUCKETS
 from .fsutil import LinkRefused, atomic_write_bytes, read_nofollow
 from .layout import FORMAT_VERSION, HIDDEN_DTYPES, INDEX_NAME, MANIFEST_NAME
 
@@ -61,6 +62,9 @@ class RunManifest:
     chat_template_hash: str | None = None
     dataset_path: str | None = None
     dataset_hash: str | None = None
+    # Work units (hsx.buckets): fixed when the run is made; None in a run.json made before them
+    # (its nodes split by --shard-index/--num-shards, and resume so).
+    buckets: int | None = None
     format_version: int = FORMAT_VERSION
     created_at: str = field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
     extra: dict[str, Any] = field(default_factory=dict)
@@ -101,6 +105,10 @@ class RunManifest:
             out.append("layer_ids must not be empty")
         if self.dtype not in HIDDEN_DTYPES:
             out.append(f"dtype must be one of {', '.join(HIDDEN_DTYPES)}, got {self.dtype!r}")
+        if self.buckets is not None and (
+            isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or not 1 <= self.buckets <= MAX_BUCKETS
+        ):
+            out.append(f"buckets must be an integer in 1..{MAX_BUCKETS}, got {self.buckets!r}")
         if not isinstance(self.format_version, int) or self.format_version > FORMAT_VERSION:
             out.append(f"format_version {self.format_version!r} is newer than this code ({FORMAT_VERSION})")
         return out
@@ -148,6 +156,8 @@ def manifest_mismatches(existing: RunManifest, wanted: RunManifest) -> list[str]
 # the layers captured and their convention (aux_hidden_state's k and order), hidden size, dtype,
 # final norm, the format. Not created_at, not `extra` (max_length may be tightened on a resume),
 # not the dataset (a fixed dataset resumes: a sample's shard depends on its own row only).
+# `buckets` counts only when run.json has it (OPTIONAL_FINGERPRINT_FIELDS): a run.json made before
+# buckets keeps its fingerprint, so its index lines stay its own. A node's assignment is never in it.
 FINGERPRINT_FIELDS = (
     "model",
     "revision",
@@ -161,7 +171,9 @@ FINGERPRINT_FIELDS = (
     "tokenizer_hash",
     "chat_template_hash",
     "format_version",
+    "buckets",
 )
+OPTIONAL_FINGERPRINT_FIELDS = ("buckets",)
 _DEFAULTS = {
     f.name: f.default for f in dataclasses.fields(RunManifest) if f.default is not dataclasses.MISSING
 }
@@ -172,6 +184,9 @@ def manifest_fingerprint(data: Mapping[str, Any]) -> str:
     or run.json as read; a field it lacks counts as RunManifest's default). The one definition:
     the writer puts it in every index line (`run_fp`), verify and resume compare it."""
     picked = {name: data.get(name, _DEFAULTS.get(name)) for name in FINGERPRINT_FIELDS}
+    for name in OPTIONAL_FINGERPRINT_FIELDS:
+        if picked[name] is None:
+            del picked[name]
     try:
         body = json.dumps(picked, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=repr)
     except (ValueError, RecursionError):  # run.json is data: a value nested too deeply, say

@@ -89,6 +89,8 @@ _FIELD_CHECKS: dict[str, tuple[str, Any]] = {
         for k in ("done", "total", "written", "skipped_existing", "errors", "row_errors", "bytes_written",
                   "reserve_bytes", "shard_index", "num_shards")
     },
+    "buckets": ("an integer or null", lambda v: v is None or _is_int(v)),
+    "assign": ("a string or null", lambda v: v is None or isinstance(v, str)),
     "free_bytes": ("an integer or null", lambda v: v is None or _is_int(v)),
     **{k: ("a finite number", _is_number) for k in ("samples_per_s", "tokens_per_s", "resume_seconds")},
     "eta_s": ("a finite number or null", lambda v: v is None or _is_number(v)),
@@ -334,7 +336,20 @@ def describe(status: dict[str, Any]) -> str:
         f"  pid {status.get('pid', '?')} on {status.get('host', '?')}: {alive_text}; "
         f"updated {status.get('updated_at', '?')}",
     ]
+    split = split_text(status)
+    if split:
+        lines.insert(2, f"  split: {split}")
     return "\n".join(lines)
+
+
+def split_text(status: dict[str, Any]) -> str:
+    """Which part of the dataset this output's node runs: its buckets (--assign, issue #39) or
+    its legacy shard; "" for the whole dataset."""
+    if status.get("assign") is not None:
+        return f"buckets {status['assign']} of {status.get('buckets', '?')} (this node's assignment)"
+    if int(status.get("num_shards") or 1) > 1:
+        return f"shard {status.get('shard_index', '?')} of {status['num_shards']} (--shard-index/--num-shards)"
+    return ""
 
 
 def summarize(statuses: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Outputs written before the fingerprint (index lines without one) verify and resu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -141,3 +142,19 @@ def test_an_index_of_fingerprinted_lines_takes_the_fast_path(tmp_path):
     rows = index_rows(lines)
     assert rows is not None
     assert {sid: IndexEntry(*row) for sid, row in rows.items()} == replay_index(lines).entries
+
+
+def test_the_bucket_count_is_in_the_fingerprint_and_a_run_json_without_one_keeps_its_own() -> None:
+    """Issue #39: run.json's bucket count changes the fingerprint (a run of 512 buckets is not one
+    of 1024); a run.json made before buckets has the fingerprint it always had (its shards stay
+    its own); what a node is assigned is not a run.json field at all."""
+    import hashlib
+
+    old = {k: v for k, v in manifest().to_dict().items() if k != "buckets"}
+    legacy_fields = [name for name in FINGERPRINT_FIELDS if name != "buckets"]
+    body = json.dumps({n: old[n] for n in legacy_fields}, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    assert manifest_fingerprint(old) == hashlib.sha256(body.encode()).hexdigest()[:16]
+    assert manifest_fingerprint({**old, "buckets": None}) == manifest_fingerprint(old)
+    fps = {manifest_fingerprint({**old, "buckets": n}) for n in (512, 1024)}
+    assert len(fps) == 2 and manifest_fingerprint(old) not in fps
+    assert "assign" not in {f.name for f in dataclasses.fields(RunManifest)}

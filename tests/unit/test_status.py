@@ -124,3 +124,19 @@ def test_status_follows_a_quarantine(tmp_path: Path, capsys) -> None:
     assert "run hsx extract again to redo them" in text
     assert main(["verify", str(out), "--quarantine"]) == EXIT_OK  # nothing more to mark: unchanged
     assert read_status(str(out))["done"] == 1
+
+
+def test_status_says_the_nodes_split(tmp_path: Path, capsys) -> None:
+    """Issue #39: the current assignment (or the legacy shard split) is said; none for a whole run."""
+    _status(tmp_path / "a", 5, 20, buckets=1024, assign="0-255,512-767")
+    _status(tmp_path / "b", 5, 20, buckets=1024, shard_index=1, num_shards=2)
+    _status(tmp_path / "c", 5, 20, buckets=1024, assign=None, shard_index=0, num_shards=1)
+    assert main(["status", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c")]) == 0
+    a, b, c = capsys.readouterr().out.split(str(tmp_path))[1:4]
+    assert "  split: buckets 0-255,512-767 of 1024 (this node's assignment)" in a
+    assert "  split: shard 1 of 2 (--shard-index/--num-shards)" in b
+    assert "split" not in c
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "status.json").write_text(json.dumps({"state": "running", "assign": 7}))
+    assert main(["status", str(tmp_path / "d")]) == EXIT_USAGE
+    assert "assign" in capsys.readouterr().err

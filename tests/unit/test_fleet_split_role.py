@@ -1,0 +1,78 @@
+"""Issue #39 item 2: the roles render each host's buckets into the job's config.
+
+ansible-playbook runs roles/extraction_deploy's configure step (which takes this host's buckets
+from roles/extraction_job/tasks/assignment.yml) on local stand-in hosts: every bucket on exactly one
+host, one assignment file on the control node, and explicit hsx_shard_index/hsx_num_shards winning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from hsx.buckets import parse_assign
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def play(tmp: Path, hosts: list[str], *args: str, **group_vars: object) -> subprocess.CompletedProcess:
+    """configure.yml on `hosts` (local stand-ins); each host's config at tmp/<host>/run.yaml."""
+    py = sys.executable
+    inventory = {"all": {"hosts": {h: {"ansible_connection": "local", "ansible_python_interpreter": py} for h in hosts},
+                         "vars": {"hsx_assignment_file": str(tmp / "fleet" / "assignment.json"), "hsx_model_path": "/m",
+                                  "hsx_dataset_path": "/d.jsonl", "hsx_output_dir": "/o", **group_vars}}}
+    (tmp / "inventory.json").write_text(json.dumps(inventory))
+    tasks = [{"ansible.builtin.include_role": {"name": "extraction_deploy", "tasks_from": "configure"},
+              "vars": {"extraction_deploy_config_path": str(tmp) + "/{{ inventory_hostname }}/run.yaml"}}]
+    (tmp / "play.yml").write_text(json.dumps([{"hosts": "all", "gather_facts": False, "become": True,
+                                               "tasks": tasks}]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
+    env.update(ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
+    return subprocess.run([str(Path(py).parent / "ansible-playbook"), "-i", str(tmp / "inventory.json"),
+                           str(tmp / "play.yml"), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def config(tmp: Path, host: str) -> dict:
+    return yaml.safe_load((tmp / host / "run.yaml").read_text())
+
+
+def test_each_host_gets_its_buckets_and_the_fleet_runs_every_bucket_once(tmp_path) -> None:
+    hosts = ["n3", "n1", "n2"]
+    proc = play(tmp_path, hosts)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    recorded = json.loads((tmp_path / "fleet" / "assignment.json").read_text())
+    assert recorded["hosts"] == {"n1": "0-341", "n2": "342-682", "n3": "683-1023"}
+    owned = []
+    for h in hosts:
+        cfg = config(tmp_path, h)
+        assert cfg["buckets"] == 1024 and cfg["assign"] == recorded["hosts"][h] and cfg["num_shards"] == 1
+        owned += sorted(parse_assign(cfg["assign"], 1024))
+    assert sorted(owned) == list(range(1024))
+    # A fourth host: the assignment is read, not derived again; the play says which host is new.
+    before = (tmp_path / "fleet" / "assignment.json").read_bytes()
+    proc = play(tmp_path, [*hosts, "n4"])
+    assert proc.returncode != 0 and "host(s) n4 are not in the assignment" in proc.stdout
+    assert "rebalance, not done automatically yet" in proc.stdout
+    assert (tmp_path / "fleet" / "assignment.json").read_bytes() == before
+
+
+def test_explicit_shards_win_and_a_fleet_of_one_runs_everything(tmp_path) -> None:
+    (tmp_path / "legacy").mkdir()
+    proc = play(tmp_path / "legacy", ["n1", "n2"], hsx_shard_index=1, hsx_num_shards=2)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    cfg = config(tmp_path / "legacy", "n2")
+    assert (cfg["shard_index"], cfg["num_shards"]) == (1, 2) and "assign" not in cfg and "buckets" not in cfg
+    assert not (tmp_path / "legacy" / "fleet").exists()
+    (tmp_path / "one").mkdir()
+    proc = play(tmp_path / "one", ["n1", "n2"], "--limit", "n1")  # never made from part of the fleet
+    assert proc.returncode != 0 and "this play runs on part of the fleet (--limit)" in proc.stdout
+    assert not (tmp_path / "one" / "fleet").exists()
+    proc = play(tmp_path / "one", ["n1"])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "assign" not in config(tmp_path / "one", "n1")
+    assert json.loads((tmp_path / "one" / "fleet" / "assignment.json").read_text())["hosts"] == {"n1": "0-1023"}
