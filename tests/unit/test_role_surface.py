@@ -16,10 +16,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-# roles/gpu_reclaim is being reworked on another branch of issue #42; its tags come with that work.
-ROLES = [pytest.param(r, marks=pytest.mark.skip(reason="gpu_reclaim: tags come with its rework (#42)"))
-         if r == "gpu_reclaim" else r
-         for r in sorted(p.parent.parent.name for p in (ROOT / "roles").glob("*/tasks/main.yml"))]
+ROLES = sorted(p.parent.parent.name for p in (ROOT / "roles").glob("*/tasks/main.yml"))
 PLAYBOOK_STAGE_TAGS = {"assess", "gpus", "storage", "shards", "deploy", "patch", "server", "job", "monitoring"}
 
 
