@@ -14,24 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_sglang_dump_format import RID, ROWS, H, _header  # one dump header for both files
 
 from extraction.sglang import dumps, hook
 
-RID, ROWS, H = "hsx-abcd0123-s-0", 6, 5
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _header(**overrides):
-    base = {
-        "format": hook.FORMAT,
-        "rid": RID,
-        "offset": 0,
-        "seq_len": ROWS,
-        "layer_ids": [1, 2, 3],
-        "capture_owner": hook.OWNER_HOOK,
-        "sglang_version": "0.5.23",
-    }
-    return {**base, **overrides}
 
 
 def _write(directory: Path, rows: int = ROWS, offset: int = 0, rid: str = RID) -> Path:
