@@ -13,6 +13,11 @@ hosts matched" and exit 0).
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,8 @@ TASK_LISTS = ("block", "rescue", "always")
 PLAY_TASK_LISTS = ("pre_tasks", "tasks", "post_tasks", "handlers")
 INCLUDES = {f"{prefix}{name}" for prefix in ("", "ansible.builtin.", "ansible.legacy.")
             for name in ("include_role", "import_role", "include_tasks", "import_tasks")}
+TARGET = "{{ hsx_target | default('extraction_nodes') }}"
+CHECK_PLAY = "shared/target.yml"
 
 
 def yaml_files() -> list[Path]:
@@ -116,3 +123,77 @@ def test_nothing_on_the_control_node_can_inherit_become() -> None:
 ])
 def test_the_scan_sees_inherited_become(task: dict, inherits: bool) -> None:
     assert bool(list(offenders([task], "t.yml", local=False, no_become=False))) is inherits
+
+
+def top_level_playbooks() -> list[Path]:
+    return sorted((ROOT / "playbooks").glob("*.yml"))
+
+
+@pytest.mark.parametrize("path", top_level_playbooks(), ids=lambda p: p.name)
+def test_plays_act_on_the_target_group_after_checking_it(path: Path) -> None:
+    """The first thing each playbook does is the target check; every play on nodes targets
+    hsx_target (default extraction_nodes), never `all`."""
+    doc = yaml.safe_load(path.read_text())
+    first = doc[0]
+    assert first.get("ansible.builtin.import_playbook") == CHECK_PLAY, f"{path.name} does not start with {CHECK_PLAY}"
+    plays = [p for p in doc if "hosts" in p]
+    assert plays and all(p["hosts"] == TARGET for p in plays), [p["hosts"] for p in plays]
+
+
+def run_check(tmp_path: Path, inventory: dict | Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run the target check (playbooks/shared/target.yml) on an inventory; it connects to no host."""
+    hosts = inventory if isinstance(inventory, Path) else tmp_path / "hosts.yml"
+    if isinstance(inventory, dict):
+        hosts.write_text(json.dumps(inventory))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
+    env.update(ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(hosts),
+         "-e", f"ansible_python_interpreter={sys.executable}", *extra, str(ROOT / "playbooks" / CHECK_PLAY)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+NODE = {"ansible_host": "127.0.0.1", "ansible_port": 1}
+
+
+def test_an_inventory_without_the_group_is_refused_up_front(tmp_path: Path) -> None:
+    """A site inventory listing login nodes in `all` but no extraction_nodes: the run stops
+    before touching any host and says what to do, instead of "no hosts matched" and exit 0."""
+    proc = run_check(tmp_path, {"all": {"hosts": {"login-1": NODE}}})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "extraction_nodes" in out and "hsx_target" in out, out
+
+
+def test_the_group_or_the_override_passes_and_a_limit_outside_it_is_refused(tmp_path: Path) -> None:
+    inventory = {"all": {"hosts": {"login-1": NODE}},
+                 "extraction_nodes": {"hosts": {"gpu-1": NODE}}, "rack2": {"hosts": {"gpu-2": NODE}}}
+    assert run_check(tmp_path, inventory).returncode == 0
+    assert run_check(tmp_path, inventory, "-e", "hsx_target=rack2").returncode == 0
+    limited = run_check(tmp_path, inventory, "--limit", "login-1")
+    assert limited.returncode != 0 and "within --limit login-1" in limited.stdout, limited.stdout
+
+
+def test_an_hsx_target_set_in_the_inventory_is_refused(tmp_path: Path) -> None:
+    """A play's hosts see extra vars only: an inventory's hsx_target would be ignored and the plays
+    would act on extraction_nodes (or nothing). Said, with the command line that works."""
+    inventory = {"all": {"vars": {"hsx_target": "rack2"}, "hosts": {"login-1": NODE}},
+                 "extraction_nodes": {"hosts": {"gpu-1": NODE}}, "rack2": {"hosts": {"gpu-2": NODE}}}
+    proc = run_check(tmp_path, inventory)
+    assert proc.returncode != 0 and "-e hsx_target=rack2" in proc.stdout, proc.stdout
+
+
+def test_the_lab_inventory_puts_its_hosts_in_the_target_group(tmp_path: Path, monkeypatch) -> None:
+    """What tests/lab/lab.py writes (inventory/lab runs it) passes the check with no hsx_target."""
+    spec = importlib.util.spec_from_file_location("lab", ROOT / "tests/lab/lab.py")
+    lab = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "lab", lab)  # dataclasses look their module up by name
+    spec.loader.exec_module(lab)
+    monkeypatch.setattr(lab, "running_hosts", lambda: [lab.Host.make(1, "rw", "512M")])
+    data = lab.inventory_data()
+    script = tmp_path / "lab_hosts.py"
+    script.write_text(f"#!{sys.executable}\nprint({json.dumps(json.dumps(data))})\n")
+    script.chmod(0o755)
+    proc = run_check(tmp_path, script)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"ok: [{lab.PREFIX}-1 -> localhost]" in proc.stdout, proc.stdout[-3000:]
