@@ -140,6 +140,16 @@ def test_plays_act_on_the_target_group_after_checking_it(path: Path) -> None:
     assert plays and all(p["hosts"] == TARGET for p in plays), [p["hosts"] for p in plays]
 
 
+def test_no_play_of_the_project_acts_on_all() -> None:
+    """Every play under playbooks/ acts on the target; only the check looks at `localhost:all`
+    (one task, on the control node)."""
+    plays = [(f.relative_to(ROOT).as_posix(), p["hosts"]) for f in sorted((ROOT / "playbooks").rglob("*.yml"))
+             for p in (yaml.safe_load(f.read_text()) or []) if isinstance(p, dict) and "hosts" in p]
+    assert len(plays) > 5, plays
+    wrong = [(f, h) for f, h in plays if h != TARGET and (f, h) != (f"playbooks/{CHECK_PLAY}", "localhost:all")]
+    assert not wrong, wrong
+
+
 def run_check(tmp_path: Path, inventory: dict | Path, *extra: str) -> subprocess.CompletedProcess:
     """Run the target check (playbooks/shared/target.yml) on an inventory; it connects to no host."""
     hosts = inventory if isinstance(inventory, Path) else tmp_path / "hosts.yml"
