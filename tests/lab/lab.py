@@ -467,6 +467,8 @@ def inventory_data() -> dict:
                 "ansible_python_interpreter": "/usr/bin/python3",
             },
         },
+        # The plays act on this group (hsx_target's default): every lab host is an extraction node.
+        "extraction_nodes": {"children": ["lab"]},
         "_meta": {"hostvars": {h.name: {"ansible_host": h.address, "lab_data_mode": h.data,
                                         "lab_data_size": h.data_size} for h in hosts}},
     }

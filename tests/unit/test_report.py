@@ -131,7 +131,7 @@ def test_recover_against_an_unreachable_host_still_writes_summary_md(tmp_path):
     """README: every recovery writes reports/<timestamp>/summary.md; a host nobody can reach (a
     closed port on this machine: refused at once, no traffic beyond localhost) is in it."""
     inventory = tmp_path / "hosts.yml"
-    inventory.write_text(json.dumps({"all": {"hosts": {"gone-1": {
+    inventory.write_text(json.dumps({"extraction_nodes": {"hosts": {"gone-1": {
         "ansible_host": "127.0.0.1", "ansible_port": 1, "ansible_user": "root",
         "ansible_ssh_common_args": "-o ConnectTimeout=2"}}}}))
     reports = tmp_path / "reports"
