@@ -67,7 +67,9 @@ def test_lab_pins_its_hosts_keys_in_the_lab_group_only(tmp_path, monkeypatch):
     hosts = [_running_host(tmp_path, monkeypatch, 1, (ED25519, ECDSA)), _running_host(tmp_path, monkeypatch, 2)]
     monkeypatch.setattr(lab, "running_hosts", lambda: hosts)
     data = lab.inventory_data()
-    assert set(data) == {"lab", "_meta"}  # no `all` vars: nothing reaches hosts of another inventory
+    # no `all` vars: nothing reaches hosts of another inventory; the plays' target group holds the lab
+    assert set(data) == {"lab", "extraction_nodes", "_meta"}
+    assert data["extraction_nodes"] == {"children": ["lab"]}
     group = data["lab"]["vars"]
     assert group.get("ansible_host_key_checking", True) is True and "ansible_ssh_host_key_checking" not in group
     args = group["ansible_ssh_common_args"]
