@@ -87,7 +87,9 @@ def collections_path(tmp_path_factory) -> Path:
             "plugins/filter/hsx_filters.py", "roles/shard_verify/tasks/main.yml", "meta/runtime.yml",
             "LICENSE", "playbooks/recover.yml"} <= names
     dest = work / "collections"
-    subprocess.run([str(BIN / "ansible-galaxy"), "collection", "install", str(tarball), "-p", str(dest)],
+    # --force: an hsx.recovery already in a configured collections path (~/.ansible) would make the
+    # install a no-op, and this path would hold nothing.
+    subprocess.run([str(BIN / "ansible-galaxy"), "collection", "install", "--force", str(tarball), "-p", str(dest)],
                    check=True, capture_output=True, text=True)
     return dest
 

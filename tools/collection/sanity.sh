@@ -50,8 +50,13 @@ PATH=$BIN:$PATH ANSIBLE_COLLECTIONS_PATH=$out "$BIN/antsibull-docs" lint-collect
 # [project.urls] (the project has no public URL yet: none is invented).
 lint_skip=()
 grep -q '^repository:' galaxy.yml || lint_skip=(--skip-list 'galaxy[no-repository]')
-PATH=$BIN:$PATH ANSIBLE_COLLECTIONS_PATH=$out "$BIN/ansible-lint" --profile production -q --nocolor \
+# ansible-lint installs the collection it lints into $HOME/.ansible/collections: give it a HOME of
+# its own, removed after, so the user's (and the next test's) collections path is left as it was
+# (an hsx.recovery left there made test_collection's `ansible-galaxy collection install` a no-op).
+lint_home=$(mktemp -d)
+HOME=$lint_home PATH=$BIN:$PATH ANSIBLE_COLLECTIONS_PATH=$out "$BIN/ansible-lint" --profile production -q --nocolor \
     --exclude playbooks/tasks "${lint_skip[@]}" . || rc=1
+rm -rf "$lint_home"
 PATH=$BIN:$PATH "$BIN/ansible-test" sanity --local --python 3.11 --color no "$@" || rc=1
 
 # The modules' declared minimum, 3.10 (tests/config.yml): compile and import them there too, when
