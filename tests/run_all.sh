@@ -13,6 +13,7 @@ molecule_lab=${HSX_MOLECULE_LAB_ID:-9}
 [ "$molecule_lab" = "${HSX_LAB_ID:-}" ] && molecule_lab=8
 lane2_log=.cache/lane2.log
 lane2_tests=tests/integration/test_rollout.py
+provision_tests=tests/integration/test_provision.py  # in lane 2 to balance the lanes (~2.5 min)
 collection_tests=tests/integration/test_collection.py
 lane2_pid=
 cleanup() {
@@ -42,6 +43,7 @@ echo "=== lane 2: molecule, $lane2_tests, the collection, beside pytest on lab $
     status=0
     stage molecule tests/molecule/run.sh
     stage "$lane2_tests" .venv/bin/pytest "$lane2_tests" -q -p no:cacheprovider --durations=5
+    stage "$provision_tests" .venv/bin/pytest "$provision_tests" -q -p no:cacheprovider --durations=5
     stage "collection: ansible-test sanity" tools/collection/sanity.sh
     stage "$collection_tests" .venv/bin/pytest "$collection_tests" -q -p no:cacheprovider
     exit $status
@@ -51,7 +53,7 @@ lane2_pid=$!
 stage "lint: ruff" .venv/bin/ruff check .
 stage "lint: ansible-lint (production profile)" .venv/bin/ansible-lint --profile production -q
 stage "pytest: unit + integration" .venv/bin/pytest tests/unit tests/integration -q -p no:cacheprovider \
-    --durations=12 --ignore="$lane2_tests" --ignore="$collection_tests"
+    --durations=12 --ignore="$lane2_tests" --ignore="$provision_tests" --ignore="$collection_tests"
 
 echo "=== lane 2 (lab $molecule_lab): molecule, $lane2_tests, the collection"
 wait "$lane2_pid"
