@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Dynamic inventory: the lab's running hosts (tests/lab/lab.py), group `lab`, in `extraction_nodes`.
+"""Dynamic inventory: the lab's hosts (tests/lab/lab.py; powered-off ones too), group `lab`, in `extraction_nodes`.
 
 Set HSX_LAB_ID to address a separate lab running beside the default one.
 """

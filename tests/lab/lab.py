@@ -9,8 +9,16 @@ nothing else.
 
     lab.py up N [--data-size 512M] [--no-data NAME...] [--ro-data NAME...]
     lab.py down | status | inventory [--out FILE] | ensure | ssh NAME CMD...
+    lab.py poweroff NAME | boot NAME
 
-Ansible reads the running hosts through inventory/lab/lab_hosts.py (a dynamic inventory).
+`poweroff` cuts a host's power: every process of the host is killed at once (no shutdown) and its
+network link goes down, so the control node sees what it sees of a dead node (no route, SSH times
+out); its disks (the rootfs overlay, /data) stay, with whatever reached them. `boot` starts it
+again from those disks, through systemd's normal boot (enabled units start). Unlike a real power
+cut, writes still in the page cache are not lost (the kernel is shared).
+
+Ansible reads the hosts through inventory/lab/lab_hosts.py (a dynamic inventory); a powered-off
+host stays in it, as a dead node stays in a site's inventory.
 
 Runs as root, stdlib only (it must work before any venv exists).
 """
@@ -366,7 +374,7 @@ def known_hosts_file() -> Path:
     the running hosts change; ssh then checks strictly, as on real nodes (ansible.cfg)."""
     path = STATE / f"{PREFIX}.known_hosts"
     lines = []
-    for host in running_hosts():
+    for host in lab_hosts():
         for pub in sorted((host.dir / "merged" / "etc" / "ssh").glob("ssh_host_*_key.pub")):
             fields = pub.read_text().split()
             if len(fields) >= 2:
@@ -448,14 +456,51 @@ def down() -> None:
     (STATE / f"{PREFIX}.known_hosts").unlink(missing_ok=True)
 
 
-def running_hosts() -> list[Host]:
-    hosts = [load_host(n) for n in host_names_on_disk()]
-    return [h for h in hosts if h and h.pid and Path(f"/proc/{h.pid}").exists()]
+def lab_hosts() -> list[Host]:
+    """Every host of this lab, running or powered off (a host with a record on disk)."""
+    return [h for h in (load_host(n) for n in host_names_on_disk()) if h]
+
+
+def is_running(host: Host) -> bool:
+    return bool(host.pid) and Path(f"/proc/{host.pid}").exists()
+
+
+def _named_host(name: str) -> Host:
+    host = load_host(name)
+    if not host:
+        raise LabError(f"no lab host {name} (lab.py status lists them)")
+    return host
+
+
+def poweroff(name: str) -> None:
+    """Cut the host's power (see the module's docstring); its disks stay for `boot`."""
+    host = _named_host(name)
+    for root in _safe_cgroup_roots():
+        remove_cgroup(root / host.name)
+    host.pid = 0
+    (host.dir / "host.json").write_text(json.dumps(asdict(host)))
+    run(["ip", "-n", host.name, "link", "set", "eth0", "down"], check=False)
+    log(f"{name} powered off")
+
+
+def boot(name: str) -> None:
+    """Start a powered-off host from its disks and wait until systemd says it is running."""
+    host = _named_host(name)
+    if is_running(host):
+        raise LabError(f"{name} is running already")
+    for root in _safe_cgroup_roots():
+        remove_cgroup(root / host.name)  # what a power cut left (normally nothing)
+    run(["ip", "-n", host.name, "link", "set", "eth0", "up"])
+    t0 = time.monotonic()
+    launch(host)
+    wait_booted(host, time.monotonic() + BOOT_TIMEOUT_S)
+    log(f"{name} booted in {time.monotonic() - t0:.1f}s")
 
 
 def inventory_data() -> dict:
-    """The running hosts as Ansible's JSON inventory (what inventory/lab/lab_hosts.py prints)."""
-    hosts = running_hosts()
+    """The lab's hosts as Ansible's JSON inventory (what inventory/lab/lab_hosts.py prints); a
+    powered-off host is listed (it is unreachable, as a dead node is)."""
+    hosts = lab_hosts()
     return {
         "lab": {
             "hosts": [h.name for h in hosts],
@@ -487,7 +532,7 @@ def status() -> int:
         return 0
     for name in names:
         host = load_host(name)
-        alive = bool(host and host.pid and Path(f"/proc/{host.pid}").exists())
+        alive = bool(host and is_running(host))
         state = "-"
         if alive:
             state = run([*ssh_base(host), "systemctl is-system-running"], check=False, timeout=15).stdout.strip()
@@ -512,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     p_ssh = sub.add_parser("ssh", help="run a command on a host")
     p_ssh.add_argument("name")
     p_ssh.add_argument("command", nargs=argparse.REMAINDER)
+    sub.add_parser("poweroff", help="cut a host's power (its disks stay)").add_argument("name")
+    sub.add_parser("boot", help="start a powered-off host from its disks").add_argument("name")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "up":
@@ -528,10 +575,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "ensure":
             ensure_control_packages()
             print(ensure_rootfs())
+        elif args.cmd == "poweroff":
+            poweroff(args.name)
+        elif args.cmd == "boot":
+            boot(args.name)
         elif args.cmd == "ssh":
-            host = load_host(args.name)
-            if not host:
-                raise LabError(f"no lab host {args.name}")
+            host = _named_host(args.name)
             return subprocess.call([*ssh_base(host), " ".join(args.command)])
     except LabError as exc:
         log(f"error: {exc}")
