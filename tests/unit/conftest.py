@@ -1,8 +1,13 @@
-"""Shared fixtures: the tiny target model, built once per test session (a few seconds)."""
+"""Shared fixtures: the tiny target model and the generated collection, each built once per test
+session (a few seconds)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,3 +27,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from extraction.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def module_doc(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
+    """`module_doc(name)`: what `ansible-doc --json hsx.recovery.NAME` shows a user of the generated
+    collection (tools/collection/build.py, built once), its doc fragments merged in."""
+    from ansible_modules import build_collection
+
+    out = build_collection(tmp_path_factory.mktemp("collection"))
+    ansible_doc = Path(sys.executable).with_name("ansible-doc")
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(out))
+
+    def doc(name: str) -> dict:
+        fqcn = f"hsx.recovery.{name}"
+        proc = subprocess.run([str(ansible_doc), "--json", fqcn], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)[fqcn]
+
+    return doc

@@ -306,7 +306,7 @@ HOSTILE_STATUS = {
     "deeply nested": b'{"state": "running", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     "huge": b'{"message": "' + b"x" * (5 * 1024 * 1024) + b'"}',
 }
-extraction_status = load_module("extraction_status")
+extraction_status = load_module("extraction_status_info")
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE_STATUS))

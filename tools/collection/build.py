@@ -9,6 +9,7 @@ second copy in git. One source, two layouts:
     module_utils/hsx/**             ->   plugins/module_utils/hsx/**   verbatim
     filter_plugins/*.py             ->   plugins/filter/*.py      verbatim
     filter_plugins/*.yml            ->   plugins/filter/*.yml     the filters' docs; filter names -> FQCN
+    doc_fragments/*.py              ->   plugins/doc_fragments/*.py  verbatim (modules name them by FQCN)
     roles/**                        ->   roles/**                 links followed; filter names -> FQCN
     playbooks/**                    ->   playbooks/**             filter names -> FQCN
     LICENSE, tools/collection/{galaxy.yml.in,README.md,runtime.yml,config.yml} -> the collection's own
@@ -245,6 +246,7 @@ def build(out: Path, check_changelog: bool = True) -> Path:
         (modules / path.name).write_text(rewrite_imports(path.read_text(), rel))
     shutil.copytree(ROOT / "module_utils" / "hsx", coll / "plugins" / "module_utils" / "hsx", ignore=SKIP)
     _copy_tree(ROOT / "filter_plugins", coll / "plugins" / "filter", names)  # the docs' examples name FQCNs
+    shutil.copytree(ROOT / "doc_fragments", coll / "plugins" / "doc_fragments", ignore=SKIP)
     _copy_tree(ROOT / "roles", coll / "roles", names)
     _copy_tree(ROOT / "playbooks", coll / "playbooks", names)
     shutil.copy2(ROOT / "LICENSE", coll / "LICENSE")
