@@ -194,3 +194,12 @@ def test_runtime_groups_the_output_modules_and_routes_the_old_name(coll):
     assert "extraction_status" not in modules
     assert route["redirect"] == f"{build.FQCN}.extraction_status_info"
     assert route["deprecation"]["removal_version"] and "extraction_status_info" in route["deprecation"]["warning_text"]
+
+
+def test_the_control_node_requirement_is_declared_where_ansible_builder_reads_it(coll):
+    """Issue #42 item 4: meta/execution-environment.yml names requirements.txt, which pins hsx itself."""
+    ee = yaml.safe_load((coll / "meta" / "execution-environment.yml").read_text())
+    assert ee["version"] == 1 and ee["dependencies"]["python"] == "requirements.txt"
+    lines = [ln for ln in (coll / "requirements.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert lines == [f"hsx-extraction=={build.project_version()}"]
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"] == "hsx-extraction"

@@ -13,6 +13,8 @@ second copy in git. One source, two layouts:
     roles/**                        ->   roles/**                 links followed; filter names -> FQCN
     playbooks/**                    ->   playbooks/**             filter names -> FQCN
     LICENSE, tools/collection/{galaxy.yml.in,README.md,runtime.yml,config.yml} -> the collection's own
+    tools/collection/{execution-environment.yml,requirements.txt.in} -> meta/, requirements.txt: what
+        the control node needs (the hsx package, pinned to this version), where ansible-builder reads it
     changelogs/{config.yaml,changelog.yaml,fragments/} ->   changelogs/**  and CHANGELOG.md generated
     (generated) tests/sanity/ignore-2.19.txt: the host-side python3 scripts' shebangs (sanity_ignores)
 
@@ -254,6 +256,8 @@ def build(out: Path, check_changelog: bool = True) -> Path:
     (coll / "README.md").write_text(_template("README.md", version))
     (coll / "meta").mkdir()
     shutil.copy2(HERE / "runtime.yml", coll / "meta" / "runtime.yml")
+    shutil.copy2(HERE / "execution-environment.yml", coll / "meta" / "execution-environment.yml")
+    (coll / "requirements.txt").write_text(_template("requirements.txt.in", version))
     (coll / "tests" / "sanity").mkdir(parents=True)
     shutil.copy2(HERE / "config.yml", coll / "tests" / "config.yml")
     ignores = sanity_ignores(coll)
