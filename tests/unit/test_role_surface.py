@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,21 @@ def test_the_roles_that_need_the_model_require_hsx_model_path(tmp_path, role):
     assert "'hsx_model_path' is undefined" in (tmp_path / "role.msg").read_text()
     failed_task = [line for line in proc.stdout.split("fatal:")[0].splitlines() if line.startswith("TASK [")][-1]
     assert f"TASK [{role} : Validating arguments against arg spec 'main'" in failed_task, failed_task
+
+
+def test_every_role_has_a_molecule_scenario_or_a_named_test_that_plays_it():
+    """Issue #42 item 3: tests/molecule/README.md names, for each role, its scenario or the tests that
+    play the same part; each named scenario and test exists."""
+    readme = (ROOT / "tests" / "molecule" / "README.md").read_text()
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| ([a-z_]+) \| (`.+?) \|", readme, re.M)}
+    assert sorted(p.name for p in (ROOT / "roles").iterdir() if p.is_dir()) == sorted(rows)
+    for role, cell in rows.items():
+        names = re.findall(r"`([^`]+)`", cell)
+        assert names, role
+        for name in names:
+            if "::" not in name:
+                assert (ROOT / "tests" / "molecule" / name / "molecule.yml").is_file(), (role, name)
+                continue
+            path, func = name.split("::")
+            path = ROOT / (path if path.startswith("tests/") else f"tests/integration/{path}")
+            assert re.search(rf"^def {re.escape(func)}\(", path.read_text(), re.M), (role, name)
