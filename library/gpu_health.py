@@ -55,17 +55,17 @@ options:
               RV(gpus) empty and a message saying why (a CPU node, the lab).
         type: bool
         default: false
+extends_documentation_fragment:
+  - hsx.recovery.attributes
 attributes:
     check_mode:
         support: full
-        description: Reads only; runs the same in check mode.
+        details: Reads only; runs the same in check mode.
     diff_mode:
         support: none
-        description: Nothing is changed, so there is nothing to diff.
+        details: Nothing is changed, so there is nothing to diff.
     platform:
-        support: full
-        platforms: posix
-        description: Linux hosts with an NVIDIA driver.
+        details: Linux hosts with an NVIDIA driver.
 notes:
     - The module never changes anything; it fails (C(failed=true)) when the gate does not pass, with every
       finding in the result, so a play stops that host before its job starts.

@@ -89,18 +89,14 @@ options:
               driver is installed) returns RV(gpus=0) and nothing fails.
         type: bool
         default: false
+extends_documentation_fragment:
+  - hsx.recovery.attributes
 attributes:
     check_mode:
-        description: Can run in check_mode and return changed status prediction without modifying target.
         support: full
         details: Lists what would be ended (RV(processes[].action=would end)) and signals nothing.
     diff_mode:
-        description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
         support: none
-    platform:
-        description: Target OS/families that can be operated against.
-        support: full
-        platforms: posix
 notes:
     - Ending other users' processes needs root (C(become=true)).
     - Only compute processes are listed (C(nvmlDeviceGetComputeRunningProcesses)); graphics contexts are not.

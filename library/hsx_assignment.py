@@ -46,6 +46,14 @@ options:
               saying so.
         type: bool
         default: true
+extends_documentation_fragment:
+    - hsx.recovery.attributes
+attributes:
+    check_mode:
+        support: full
+        details: Writes nothing; returns the assignment that would be written.
+    diff_mode:
+        support: none
 """
 
 EXAMPLES = r"""

@@ -59,18 +59,14 @@ options:
         means the server crash-loops and the task fails.
     type: int
     default: 1
+extends_documentation_fragment:
+  - hsx.recovery.attributes
 attributes:
   check_mode:
-    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
     details: Probes as usual and changes nothing, in check mode too.
   diff_mode:
-    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
-  platform:
-    description: Target OS/families that can be operated against.
-    support: full
-    platforms: posix
 notes:
   - C(NRestarts) needs systemd 235 or later; on an older systemd only the unit's state is watched.
 """

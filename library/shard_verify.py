@@ -60,19 +60,15 @@ options:
               the counts are always complete.
         type: int
         default: 50
+extends_documentation_fragment:
+  - hsx.recovery.attributes
 attributes:
     check_mode:
-        description: Can run in check_mode and return changed status prediction without modifying target.
         support: full
         details: Reports what would be quarantined and removed; changes nothing.
     diff_mode:
-        description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
         support: full
         details: Lists the shards that move and the temp files that are deleted.
-    platform:
-        description: Target OS/families that can be operated against.
-        support: full
-        platforms: posix
 requirements:
     - python >= 3.10 on the managed host
     - torch and hsx-extraction on the host for O(level=deep)

@@ -100,19 +100,15 @@ options:
               O(patch_id)); the module fails before any change when it is not a supported release
               (module_utils C(hsx.sglang_versions)).
         type: str
+extends_documentation_fragment:
+  - hsx.recovery.attributes
 attributes:
     check_mode:
-        description: Can run in check_mode and return changed status prediction without modifying target.
         support: full
         details: Reports whether the file would change (and the diff with C(--diff)); writes nothing.
     diff_mode:
-        description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
         support: full
         details: The full before and after text of the file, rendered by Ansible as a unified diff.
-    platform:
-        description: Target OS/families that can be operated against.
-        support: full
-        platforms: posix
 requirements:
     - python >= 3.10 on the managed host
 seealso:
@@ -281,7 +277,8 @@ class SourcePatchModule:
                     f"{path}: removed the blocks, but the rest of the file changed since they were applied"
                 )
         if changed:
-            result["diff"] = {"before": text, "after": new_text, "before_header": path, "after_header": path}
+            if self.module._diff:  # the whole file twice: only when --diff asks for it
+                result["diff"] = {"before": text, "after": new_text, "before_header": path, "after_header": path}
             if not self.module.check_mode:
                 if p["backup"]:
                     result["backup_file"] = self.module.backup_local(path)

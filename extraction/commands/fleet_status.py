@@ -16,7 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "fleet-status",
         help="extraction progress on every host of an inventory, with the fleet total",
-        description="Runs the extraction_status module on every host in one ad-hoc run. Hosts that are "
+        description="Runs the extraction_status_info module on every host in one ad-hoc run. Hosts that are "
         "unreachable, have no job or whose job is not making progress are marked. Exit 0: all "
         "fine; 1: some host marked; 2: usage.",
     )

@@ -1,4 +1,4 @@
-"""`hsx fleet-status`: every host's extraction progress from one ad-hoc `extraction_status` run.
+"""`hsx fleet-status`: every host's extraction progress from one ad-hoc `extraction_status_info` run.
 
 Hosts that are unreachable, whose module failed, that have no job, or whose job is not making
 progress are marked (and make the exit code 1); none is left out of the table or the total.
@@ -155,10 +155,10 @@ def collect(
     with_history: bool = False,
     report_dir: Path = REPORTS,
 ) -> tuple[list[HostStatus], Any]:
-    """One ad-hoc run of extraction_status over the fleet (plus one slurp of status.json for plots)."""
+    """One ad-hoc run of extraction_status_info over the fleet (plus one slurp of status.json for plots)."""
     collector = StatusCollector()
     runner = _adhoc(
-        collector, "extraction_status", f"output_dir={OUTPUT_DIR_ARG}", inventory, limit, become, report_dir
+        collector, "extraction_status_info", f"path={OUTPUT_DIR_ARG}", inventory, limit, become, report_dir
     )
     if with_history:
         _adhoc(

@@ -29,7 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_runner  # noqa: E402
+import runner_sides  # noqa: E402
 
 from extraction import heap  # noqa: E402
 from extraction.runner import iter_batches_for_bench  # noqa: E402
@@ -59,7 +59,7 @@ class Ring:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_runner.add_setup_arguments(ap, samples=768)
+    runner_sides.add_setup_arguments(ap, samples=768)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
@@ -67,7 +67,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="hsx-into-"))
     try:
-        setup = bench_runner.bench_setup(work, args)
+        setup = runner_sides.bench_setup(work, args)
         batches = list(iter_batches_for_bench(setup.cfg, setup.entries, setup.tokenizer))
         heap.keep_freed_memory()  # as in the runner's process
         token_bytes = (1 + len(args.capture.split(","))) * args.hidden * 4

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_runner  # noqa: E402
+import runner_sides  # noqa: E402
 
 from extraction.runner import iter_batches_for_bench  # noqa: E402
 from extraction.runner.forward import Forward  # noqa: E402
@@ -45,7 +45,7 @@ def minor_faults() -> int:
 
 class Probe:
     def __init__(self, args: argparse.Namespace, work: Path):
-        setup = bench_runner.bench_setup(work, args)
+        setup = runner_sides.bench_setup(work, args)
         self.backend, self.cfg_kw = setup.backend, setup.cfg_kw
         self.batches = list(iter_batches_for_bench(setup.cfg, setup.entries, setup.tokenizer))
         self.threads = args.threads
@@ -104,14 +104,14 @@ class Probe:
     def runner(self) -> tuple[list[float], int]:
         self._runner_batches.clear()
         f0 = minor_faults()
-        bench_runner.runner_run(self.cfg_kw, self.work / "run")
+        runner_sides.runner_run(self.cfg_kw, self.work / "run")
         shutil.rmtree(self.work / "run")
         return list(self._runner_batches), minor_faults() - f0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_runner.add_setup_arguments(ap, samples=384)
+    runner_sides.add_setup_arguments(ap, samples=384)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument(
         "--threads", type=int, default=13, help="torch threads of the bare loops (the runner picks its own)"

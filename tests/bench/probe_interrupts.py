@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_runner  # noqa: E402
+import runner_sides  # noqa: E402
 
 from extraction import heap  # noqa: E402
 from extraction.backends.hf import HFBackend  # noqa: E402
@@ -214,11 +214,11 @@ class InsideForward:
                     probe.forward_tid = threading.get_native_id()
                     probe.children = child_processes()
                 probe.tracer.on()
-            before = bench_runner.interrupt_counts(None)
+            before = runner_sides.interrupt_counts(None)
             try:
                 return inner(backend, samples, **kw)
             finally:
-                after = bench_runner.interrupt_counts(None)
+                after = runner_sides.interrupt_counts(None)
                 if traced:
                     probe.tracer.off()
                 for name, n in after.items():
@@ -235,7 +235,7 @@ class InsideForward:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_runner.add_setup_arguments(ap, samples=1536)
+    runner_sides.add_setup_arguments(ap, samples=1536)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--trace",
@@ -258,23 +258,23 @@ def main() -> int:
     probe = InsideForward(tracer)
     work = Path(tempfile.mkdtemp(prefix="hsx-irq-"))
     try:
-        setup = bench_runner.bench_setup(work, args)
+        setup = runner_sides.bench_setup(work, args)
         batches = list(iter_batches_for_bench(setup.cfg, setup.entries, setup.tokenizer))
         heap.keep_freed_memory()  # as in the runner's process
-        bench_runner.forward_only(setup.backend, batches, "cpu")  # warm
+        runner_sides.forward_only(setup.backend, batches, "cpu")  # warm
         probe.take()
         probe.trace_from = int(args.trace_after * len(batches))
         print(
             f"{args.samples} samples, {len(batches)} batches, {os.cpu_count()} CPUs, {time.strftime('%F %T')}"
         )
         for rnd in range(args.rounds):
-            t = bench_runner.forward_only(setup.backend, batches, "cpu")
+            t = runner_sides.forward_only(setup.backend, batches, "cpu")
             print(f"round {rnd} forward-only {t:.2f}s; inside its forward calls: {probe.take()}")
             last = rnd == args.rounds - 1 and tracer is not None
             if last:
                 tracer.clear()
             probe.tracing = last
-            t = bench_runner.runner_run(setup.cfg_kw, work / f"run{rnd}")[0]
+            t = runner_sides.runner_run(setup.cfg_kw, work / f"run{rnd}")[0]
             probe.tracing = False
             shutil.rmtree(work / f"run{rnd}")
             print(f"round {rnd} runner {t:.2f}s; inside its forward calls: {probe.take()}", flush=True)

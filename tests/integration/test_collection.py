@@ -36,15 +36,20 @@ PLAYBOOK = """
   gather_facts: false
   vars:
     hsx_report_dir: "{report_dir}"
+  module_defaults:
+    group/hsx.recovery.extraction_output:
+      path: {output}
   tasks:
-    - name: Where the extraction stands
-      hsx.recovery.extraction_status:
-        output_dir: {output}
+    - name: Where the extraction stands (its path from the group's module_defaults)
+      hsx.recovery.extraction_status_info:
       register: user_status
 
-    - name: Verify the shards and quarantine the bad ones
+    - name: The same by the module's old name (routed to extraction_status_info, with a deprecation)
+      hsx.recovery.extraction_status:
+      register: user_status_old_name
+
+    - name: Verify the shards and quarantine the bad ones (the same path from the group)
       hsx.recovery.shard_verify:
-        path: {output}
         level: full
         quarantine: true
       register: user_verify
@@ -67,7 +72,7 @@ PLAYBOOK = """
         dest: "{results}"
         mode: "0600"
         content: >-
-          {{{{ {{'status': user_status, 'verify': user_verify, 'role': shard_verify_result,
+          {{{{ {{'status': user_status, 'status_old_name': user_status_old_name, 'verify': user_verify, 'role': shard_verify_result,
                'unit_arg': 'a b%' | hsx.recovery.hsx_systemd('x')}} | to_json }}}}
       delegate_to: localhost
       check_mode: false
@@ -132,6 +137,10 @@ def test_fqcn_modules_roles_and_filters_of_the_installed_tarball_on_a_lab_host(
     run, res = user_playbook(tmp_path, collections_path, "--check")
     assert run.rc == 0, run.output[-3000:]
     assert res["status"]["done"] == 4 and res["status"]["has_manifest"] is True
+    assert res["status_old_name"]["done"] == 4  # the old name runs the same module, path from the group
+    deprecation = " ".join(run.output.split())
+    assert "hsx.recovery.extraction_status has been deprecated" in deprecation, run.output[-3000:]
+    assert "Use hsx.recovery.extraction_status_info instead" in deprecation
     assert res["verify"]["bad_count"] == 1 and res["verify"]["quarantined"] == [f"quarantine/{entries[1].path[7:]}"]
     assert res["role"]["bad_count"] == 1
     assert res["unit_arg"] == '"a b%%"'
@@ -156,3 +165,17 @@ def test_fqcn_modules_roles_and_filters_of_the_installed_tarball_on_a_lab_host(
     summary = list((tmp_path / "recover-reports").glob("*/summary.md"))
     assert len(summary) == 1 and f"### {host(1)}" in summary[0].read_text()
     assert lab_ssh(host(1), listing).stdout == before
+
+
+def test_without_the_hsx_cli_the_installed_recover_playbook_says_what_is_missing(
+        lab_hosts, collections_path, tmp_path):
+    """Issue #42 item 4: a control node without the hsx CLI the deploy builds the wheelhouse with
+    (hsx_cli pointed where there is none, as on a control node that installed only the tarball) is
+    told so before anything changes, with how to provide it."""
+    missing = tmp_path / "venv-without-hsx" / "bin" / "hsx"
+    run = ansible_playbook(tmp_path, collections_path, "hsx.recovery.recover", "--check",
+                           "-e", f"hsx_report_dir={tmp_path / 'reports'}", "-e", f"hsx_cli={missing}")
+    said = " ".join(run.output.split())
+    assert run.rc != 0 and f"The hsx CLI is not at {missing}" in said, run.output[-3000:]
+    assert "-m pip install -e CHECKOUT" in said and "Nothing was changed" in said
+    assert "TASK [hsx.recovery.gpu_reclaim" not in run.output  # it stopped in the assessment, before any stage acts

@@ -1,6 +1,6 @@
 """Load our Ansible modules in unit tests the way Ansible ships them to a host: the core package
 module_utils/hsx importable as ansible.module_utils.hsx (its own copy, not the installed `hsx`),
-then library/<module>.py."""
+then library/<module>.py; and the collection hsx.recovery generated from them (tools/collection/build.py)."""
 
 from __future__ import annotations
 
@@ -29,3 +29,14 @@ def load_module(name: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def build_collection(out: Path) -> Path:
+    """The collection generated under `out` (OUT/ansible_collections/hsx/recovery); returns `out`,
+    the collections path to give ansible (ANSIBLE_COLLECTIONS_PATH)."""
+    spec = importlib.util.spec_from_file_location("hsx_collection_build", ROOT / "tools" / "collection" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = build
+    spec.loader.exec_module(build)
+    build.build(out)
+    return out

@@ -1,4 +1,5 @@
-"""Helpers for the runner tests (test_runner, test_crash, test_diskfull, test_status)."""
+"""Helpers for the runner tests (test_runner*, test_crash, test_diskfull, test_status); the fixtures
+the test_runner* modules share (the tiny dataset, its ids, one loaded backend) are in conftest.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hsx.index import load_index
 from hsx.verify.scan import scan_shards
 
 LAYERS = "1,3,4"
+N = 20  # samples of the shared tiny dataset
 
 
 class SharedBackend:
@@ -111,3 +113,4 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+

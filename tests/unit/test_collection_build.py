@@ -153,3 +153,53 @@ def test_the_only_sanity_ignores_are_the_shebangs_of_host_side_python3_scripts(c
     (fake / "tool").write_text("#!/usr/bin/env python3\n")
     (fake / "other").write_text("#!/bin/sh\n")
     assert [line.split(" ")[:2] for line in build.sanity_ignores(tmp_path)] == [["roles/r/files/tool", "shebang"]]
+
+
+def module_doc(path: Path) -> dict:
+    """A module file's DOCUMENTATION, parsed."""
+    return yaml.safe_load(ast.literal_eval(re.search(r'DOCUMENTATION = (r""".*?""")', path.read_text(), re.S).group(1)))
+
+
+def test_modules_share_the_attributes_text_through_the_doc_fragment(coll):
+    """Issue #42 item 2: the attributes' descriptions are written once (doc_fragments/attributes.py)."""
+    fragment_path = coll / "plugins" / "doc_fragments" / "attributes.py"
+    assert fragment_path.read_text() == (ROOT / "doc_fragments" / "attributes.py").read_text()
+    spec = importlib.util.spec_from_file_location("hsx_attributes_fragment", fragment_path)
+    fragment_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fragment_module)
+    shared = yaml.safe_load(fragment_module.ModuleDocFragment.DOCUMENTATION)["attributes"]
+    texts = {a["description"] for a in shared.values()}
+    for name in MODULES:
+        doc = module_doc(ROOT / "library" / name)
+        assert f"{build.FQCN}.attributes" in doc.get("extends_documentation_fragment", []), name
+        own = doc.get("attributes", {})
+        assert {"check_mode", "diff_mode"} <= set(own), name  # each module says its support
+        for attr, value in own.items():
+            assert value.get("description") not in texts, f"{name}: {attr} copies the fragment's text"
+            assert attr in shared, f"{name}: {attr} has no shared description"
+
+
+def test_runtime_groups_the_output_modules_and_routes_the_old_name(coll):
+    """Issue #42 item 2: `group/hsx.recovery.extraction_output` holds exactly the modules whose `path`
+    is the extraction's output directory, and extraction_status is routed to extraction_status_info."""
+    runtime = yaml.safe_load((coll / "meta" / "runtime.yml").read_text())
+    group = runtime["action_groups"]["extraction_output"]
+    modules = {p.stem for p in (coll / "plugins" / "modules").glob("*.py")}
+    assert set(group) == {"shard_verify", "extraction_status_info"} and set(group) <= modules
+    for name in group:
+        option = module_doc(ROOT / "library" / f"{name}.py")["options"]["path"]
+        text = " ".join(option["description"]) if isinstance(option["description"], list) else option["description"]
+        assert option["type"] == "path" and "output" in text, name
+    route = runtime["plugin_routing"]["modules"]["extraction_status"]
+    assert "extraction_status" not in modules
+    assert route["redirect"] == f"{build.FQCN}.extraction_status_info"
+    assert route["deprecation"]["removal_version"] and "extraction_status_info" in route["deprecation"]["warning_text"]
+
+
+def test_the_control_node_requirement_is_declared_where_ansible_builder_reads_it(coll):
+    """Issue #42 item 4: meta/execution-environment.yml names requirements.txt, which pins hsx itself."""
+    ee = yaml.safe_load((coll / "meta" / "execution-environment.yml").read_text())
+    assert ee["version"] == 1 and ee["dependencies"]["python"] == "requirements.txt"
+    lines = [ln for ln in (coll / "requirements.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert lines == [f"hsx-extraction=={build.project_version()}"]
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"] == "hsx-extraction"

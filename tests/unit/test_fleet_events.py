@@ -2,7 +2,7 @@
 
 tests/unit/data/runner_events_recover.json: `hsx recover` over 3 lab hosts planted with the
 incident: -1 recovered, -2 without /data (fails at storage), -3 cut off (veth down) during
-gpu_reclaim. tests/unit/data/runner_events_fleet_status.json: the ad-hoc extraction_status run
+gpu_reclaim. tests/unit/data/runner_events_fleet_status.json: the ad-hoc extraction_status (now extraction_status_info) run
 right after (-3 still cut off). Re-record: `python tests/unit/test_fleet_events.py OUT.json
 reports/.runner/artifacts/<ident>...` (keeps only the fields the handlers read).
 """
@@ -228,7 +228,7 @@ def trim(event: dict) -> dict:
         facts = res.get("ansible_facts") or {}
         if "recover_report_run_dir" in facts:
             small["ansible_facts"] = {"recover_report_run_dir": facts["recover_report_run_dir"]}
-        if data.get("task_action") == "extraction_status":
+        if data.get("task_action") in ("extraction_status", "extraction_status_info"):  # recorded before and after the rename
             small.update({k: v for k, v in res.items() if k != "invocation"})
         if data.get("task_action", "").endswith("slurp"):
             small["content"] = res.get("content")

@@ -164,7 +164,7 @@ def test_a_hostile_line_is_one_bad_line_for_every_reader(tmp_path, kind):
         r = verify_output(str(out), level)
         assert r.index_bad_lines == 1 and r.ok == 2 and r.bad == [] and r.exit_code == 0
     assert resume_done(out, {"s000", "s001"})[0] == {"s000", "s001"}
-    status = load_module("extraction_status").ExtractionStatus(str(out), progress_window=60).read()
+    status = load_module("extraction_status_info").ExtractionStatus(str(out), progress_window=60).read()
     assert status["done"] == 2 and status["index_bad_lines"] == 1
     assert export_view([str(out)], str(tmp_path / "view"), level="quick").added == 2
     append_raw(out, line.rstrip(b"\n"))  # as the last line, without its newline: a torn tail

@@ -25,7 +25,7 @@ from hsx.layout import INDEX_NAME, MANIFEST_NAME
 from hsx.status import STATUS_NAME, StatusReporter
 
 shard_verify = load_module("shard_verify")
-extraction_status = load_module("extraction_status")
+extraction_status = load_module("extraction_status_info")
 
 
 @pytest.fixture(autouse=True)
@@ -110,7 +110,7 @@ def test_shard_verify_module_fails_with_the_file_named(tmp_path, capsys, name, k
 @pytest.mark.parametrize("name", [MANIFEST_NAME, INDEX_NAME, STATUS_NAME])
 def test_extraction_status_module_names_the_file(tmp_path, capsys, name, kind):
     path = plant(tmp_path / "out", name, kind, tmp_path / "elsewhere")
-    result = run_module(extraction_status, capsys, output_dir=str(tmp_path / "out"))
+    result = run_module(extraction_status, capsys, path=str(tmp_path / "out"))
     assert "failed" not in result  # read-only facts: the assess stage records them and goes on
     if name == MANIFEST_NAME:
         assert result["has_manifest"] is False

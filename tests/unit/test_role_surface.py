@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,60 @@ def test_the_hsx_roles_entry_points_validate_their_arguments(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:]
     msg = (tmp_path / "own_tree.msg").read_text()
     assert "own_tree" in msg and "missing required arguments: hsx_own_tree_paths" in msg
+
+
+def test_the_control_node_check_says_what_is_missing_and_how_to_provide_it(tmp_path):
+    """Issue #42 item 4: the hsx CLI (and a named source checkout) the deploy needs on the control
+    node, checked up front by the hsx role's entry point `control_node`."""
+    def failure(*extra: str) -> str:
+        record = {"ansible.builtin.copy": {"content": "{{ ansible_failed_result.msg }}", "mode": "0600",
+                                           "dest": str(tmp_path / "control_node.msg")}, "check_mode": False}
+        tasks = [{"block": [{"ansible.builtin.include_role": {"name": "hsx", "tasks_from": "control_node"}}],
+                  "rescue": [record]}]
+        (tmp_path / "control_node.msg").unlink(missing_ok=True)
+        proc = _play(tmp_path, tasks, "--check", *extra)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        msg = tmp_path / "control_node.msg"
+        return " ".join(msg.read_text().split()) if msg.exists() else ""
+
+    assert failure() == ""  # this venv's hsx, next to the ansible-playbook that runs the play
+    msg = failure("-e", f"hsx_cli={tmp_path}/nowhere/hsx")
+    assert f"The hsx CLI is not at {tmp_path}/nowhere/hsx" in msg and "-m pip install -e CHECKOUT" in msg, msg
+    assert "Nothing was changed" in msg
+    msg = failure("-e", f"hsx_source={tmp_path}")
+    assert f"The source checkout {tmp_path} (hsx_source) has no pyproject.toml" in msg, msg
+    assert failure("-e", f"hsx_source={ROOT}") == ""
+
+
+@pytest.mark.parametrize("role", ["extraction_deploy", "sglang_server"])
+def test_the_roles_that_need_the_model_require_hsx_model_path(tmp_path, role):
+    """Issue #42 item 3: the model has no default; the roles that use it stop at their argument
+    validation, before anything changes, naming the setting."""
+    specs = yaml.safe_load((ROOT / "roles" / role / "meta" / "argument_specs.yml").read_text())["argument_specs"]
+    assert specs["main"]["options"]["hsx_model_path"]["required"] is True
+    record = {"ansible.builtin.copy": {"content": "{{ ansible_failed_result.msg }}", "mode": "0600",
+                                       "dest": str(tmp_path / "role.msg")}, "check_mode": False}
+    tasks = [{"block": [{"ansible.builtin.include_role": {"name": role}}], "rescue": [record]}]
+    proc = _play(tmp_path, tasks, "--check")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "'hsx_model_path' is undefined" in (tmp_path / "role.msg").read_text()
+    failed_task = [line for line in proc.stdout.split("fatal:")[0].splitlines() if line.startswith("TASK [")][-1]
+    assert f"TASK [{role} : Validating arguments against arg spec 'main'" in failed_task, failed_task
+
+
+def test_every_role_has_a_molecule_scenario_or_a_named_test_that_plays_it():
+    """Issue #42 item 3: tests/molecule/README.md names, for each role, its scenario or the tests that
+    play the same part; each named scenario and test exists."""
+    readme = (ROOT / "tests" / "molecule" / "README.md").read_text()
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| ([a-z_]+) \| (`.+?) \|", readme, re.M)}
+    assert sorted(p.name for p in (ROOT / "roles").iterdir() if p.is_dir()) == sorted(rows)
+    for role, cell in rows.items():
+        names = re.findall(r"`([^`]+)`", cell)
+        assert names, role
+        for name in names:
+            if "::" not in name:
+                assert (ROOT / "tests" / "molecule" / name / "molecule.yml").is_file(), (role, name)
+                continue
+            path, func = name.split("::")
+            path = ROOT / (path if path.startswith("tests/") else f"tests/integration/{path}")
+            assert re.search(rf"^def {re.escape(func)}\(", path.read_text(), re.M), (role, name)

@@ -163,16 +163,7 @@ with patch_module_args({{'path': {str(tmp_path)!r}, 'level': 'full', 'workers': 
     assert r["ok"] == 2 and r["bad_count"] == 0, out.stderr
 
 
-def test_ansible_doc_renders():
-    ansible_doc = Path(sys.executable).with_name("ansible-doc")
-    if not ansible_doc.exists():
-        pytest.skip("ansible-doc not installed next to this Python")
-    out = subprocess.run(
-        [str(ansible_doc), "-M", str(ROOT / "library"), "--json", "shard_verify"],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr
-    doc = json.loads(out.stdout)["shard_verify"]
+def test_ansible_doc_renders(module_doc):
+    doc = module_doc("shard_verify")
     assert {"path", "level", "quarantine", "workers"} <= set(doc["doc"]["options"])
     assert doc["examples"] and "quarantined" in doc["return"]

@@ -9,9 +9,12 @@ second copy in git. One source, two layouts:
     module_utils/hsx/**             ->   plugins/module_utils/hsx/**   verbatim
     filter_plugins/*.py             ->   plugins/filter/*.py      verbatim
     filter_plugins/*.yml            ->   plugins/filter/*.yml     the filters' docs; filter names -> FQCN
+    doc_fragments/*.py              ->   plugins/doc_fragments/*.py  verbatim (modules name them by FQCN)
     roles/**                        ->   roles/**                 links followed; filter names -> FQCN
     playbooks/**                    ->   playbooks/**             filter names -> FQCN
     LICENSE, tools/collection/{galaxy.yml.in,README.md,runtime.yml,config.yml} -> the collection's own
+    tools/collection/{execution-environment.yml,requirements.txt.in} -> meta/, requirements.txt: what
+        the control node needs (the hsx package, pinned to this version), where ansible-builder reads it
     changelogs/{config.yaml,changelog.yaml,fragments/} ->   changelogs/**  and CHANGELOG.md generated
     (generated) tests/sanity/ignore-2.19.txt: the host-side python3 scripts' shebangs (sanity_ignores)
 
@@ -245,6 +248,7 @@ def build(out: Path, check_changelog: bool = True) -> Path:
         (modules / path.name).write_text(rewrite_imports(path.read_text(), rel))
     shutil.copytree(ROOT / "module_utils" / "hsx", coll / "plugins" / "module_utils" / "hsx", ignore=SKIP)
     _copy_tree(ROOT / "filter_plugins", coll / "plugins" / "filter", names)  # the docs' examples name FQCNs
+    shutil.copytree(ROOT / "doc_fragments", coll / "plugins" / "doc_fragments", ignore=SKIP)
     _copy_tree(ROOT / "roles", coll / "roles", names)
     _copy_tree(ROOT / "playbooks", coll / "playbooks", names)
     shutil.copy2(ROOT / "LICENSE", coll / "LICENSE")
@@ -252,6 +256,8 @@ def build(out: Path, check_changelog: bool = True) -> Path:
     (coll / "README.md").write_text(_template("README.md", version))
     (coll / "meta").mkdir()
     shutil.copy2(HERE / "runtime.yml", coll / "meta" / "runtime.yml")
+    shutil.copy2(HERE / "execution-environment.yml", coll / "meta" / "execution-environment.yml")
+    (coll / "requirements.txt").write_text(_template("requirements.txt.in", version))
     (coll / "tests" / "sanity").mkdir(parents=True)
     shutil.copy2(HERE / "config.yml", coll / "tests" / "config.yml")
     ignores = sanity_ignores(coll)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 DOCUMENTATION = r"""
 ---
-module: extraction_status
+module: extraction_status_info
 short_description: Report the progress of a hidden-state extraction on a host
 description:
   - Reads C(status.json) and the shard index of an extraction output directory and returns how
@@ -24,10 +24,15 @@ author:
 requirements:
   - python >= 3.10 on the managed host
 options:
-  output_dir:
-    description: The extraction output directory (holds C(run.json), C(index.jsonl), C(status.json)).
+  path:
+    description:
+      - The extraction output directory (holds C(run.json), C(index.jsonl), C(status.json)); the same
+        option as M(hsx.recovery.shard_verify)'s O(hsx.recovery.shard_verify#module:path), so
+        C(module_defaults) for the group C(hsx.recovery.extraction_output) sets it once for both.
+      - Was C(output_dir) (kept as an alias, so playbooks that name it go on working).
     type: path
     required: true
+    aliases: [output_dir]
   progress_window:
     description:
       - Seconds within which C(done) must have grown (by the status history) or the status been
@@ -43,18 +48,14 @@ options:
       - A C(done) count read earlier (for example before a restart). When given, C(making_progress)
         also requires C(done >= baseline_done + min_done_increase).
     type: int
+extends_documentation_fragment:
+  - hsx.recovery.attributes
 attributes:
   check_mode:
-    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
     details: Reads only; runs the same in check mode.
   diff_mode:
-    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
-  platform:
-    description: Target OS/families that can be operated against.
-    support: full
-    platforms: posix
 notes:
   - A status written on another host (shared storage) cannot have its process checked;
     C(pid_alive) is then null.
@@ -62,13 +63,13 @@ notes:
 
 EXAMPLES = r"""
 - name: Read the extraction's progress
-  extraction_status:
-    output_dir: /data/hsx/output
+  extraction_status_info:
+    path: /data/hsx/output
   register: progress
 
 - name: Wait until the extraction is making progress
-  extraction_status:
-    output_dir: /data/hsx/output
+  extraction_status_info:
+    path: /data/hsx/output
     progress_window: 60
   register: progress
   until: progress.making_progress
@@ -159,7 +160,7 @@ from ansible.module_utils.hsx.layout import MANIFEST_NAME
 from ansible.module_utils.hsx.status import pid_alive, read_status
 
 ARGUMENT_SPEC = dict(
-    output_dir=dict(type="path", required=True),
+    path=dict(type="path", required=True, aliases=["output_dir"]),
     progress_window=dict(type="int", default=120),
     min_done_increase=dict(type="int", default=1),
     baseline_done=dict(type="int"),
@@ -266,7 +267,7 @@ class ExtractionStatusModule:
 
     def run(self) -> dict[str, Any]:
         p = self.params
-        status = ExtractionStatus(p["output_dir"], p["progress_window"], p["baseline_done"], p["min_done_increase"])
+        status = ExtractionStatus(p["path"], p["progress_window"], p["baseline_done"], p["min_done_increase"])
         return dict(status.read(), changed=False)
 
 

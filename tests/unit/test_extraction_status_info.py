@@ -1,4 +1,4 @@
-"""library/extraction_status: progress from status.json + the index, as the playbooks see it."""
+"""library/extraction_status_info: progress from status.json + the index, as the playbooks see it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hsx.index import encode_index_line
 from hsx.layout import INDEX_NAME
 from hsx.status import now_iso, write_json_atomic
 
-extraction_status = load_module("extraction_status")
+extraction_status = load_module("extraction_status_info")
 
 
 def plant(out: Path, done: int, status: dict | None, torn_tail: bool = False) -> None:
@@ -97,7 +97,7 @@ def test_missing_output_and_missing_status(tmp_path):
 def test_module_entry_point_is_check_mode_safe(tmp_path, capsys):
     plant(tmp_path, 3, status(done=3))
     before = sorted(os.listdir(tmp_path))
-    with patch_module_args({"output_dir": str(tmp_path), "_ansible_check_mode": True}):
+    with patch_module_args({"path": str(tmp_path), "_ansible_check_mode": True}):
         with pytest.raises(SystemExit) as exc:
             extraction_status.main()
     assert exc.value.code == 0
@@ -114,3 +114,14 @@ def test_a_malformed_status_is_a_verdict_with_the_reason(tmp_path):
     r = extraction_status.ExtractionStatus(str(tmp_path), 60).read()
     assert r["done"] == 2 and r["state"] == "none"
     assert "no readable status.json" in r["message"] and "not a JSON object" in r["message"]
+
+
+def test_output_dir_still_names_the_output_as_an_alias_of_path(tmp_path, capsys):
+    """Issue #42 item 2: `path`, as in shard_verify; playbooks written with `output_dir` keep working."""
+    plant(tmp_path, 2, status(done=2))
+    with patch_module_args({"output_dir": str(tmp_path)}):
+        with pytest.raises(SystemExit) as exc:
+            extraction_status.main()
+    out = json.loads(capsys.readouterr().out)
+    assert exc.value.code == 0 and out["done"] == 2, out
+    assert out["invocation"]["module_args"]["path"] == str(tmp_path)
