@@ -19,7 +19,7 @@ buffered whole (extraction/sglang/reply.py). Breaking either fails the sample (S
 the server and the limit).
 
 The dump directory must be writable by nobody but its owner and a trusted group
-(hook.dump_dir_problem, the rule the server's hook applies too): refused at start otherwise.
+(hsx_dump_format.dump_dir_problem, the rule the server's hook applies too): refused at start otherwise.
 
 The reply does not wait for the dump (docs/sglang_hook.md says why): when it leaves, the hook's
 writer thread has taken every piece of the request, not necessarily written them. So the client
@@ -77,7 +77,7 @@ import torch
 
 from extraction.backends.base import ModelInfo, Sample, SampleStates
 from extraction.config import DEFAULT_DUMP_TIMEOUT, ConfigError, read_api_key
-from extraction.sglang import dumps, hook, reply
+from extraction.sglang import dumps, hook, hsx_dump_format, reply
 
 ENV_DUMP_DIR = hook.ENV_DIR  # the client reads the same variable the server's hook does
 STALE_SWEEP_SECONDS = 1.0  # how often, at most, the dump directory is swept of what a crash left
@@ -161,7 +161,7 @@ class SGLangBackend:
         self._stale_at = 0.0
         if not os.path.isdir(dump_dir):
             raise SGLangError(f"dump directory {dump_dir} does not exist (the server's {hook.ENV_DIR})")
-        problem = hook.dump_dir_problem(dump_dir)
+        problem = hsx_dump_format.dump_dir_problem(dump_dir)
         if problem is not None:
             raise SGLangError(problem)
         self._client_lock = None if keep_dumps else dumps.client_lock(dump_dir)

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from extraction.sglang import hook
-from extraction.sglang.hook import FAILED_SUFFIX, rid_stem
+from extraction.sglang import hsx_dump_format as fmt
+from extraction.sglang.hsx_dump_format import FAILED_SUFFIX, rid_stem
 
-_KEYS = hook.DUMP_TENSORS  # a piece's tensors, in the file's order
+_KEYS = fmt.DUMP_TENSORS  # a piece's tensors, in the file's order
 
 
 class DumpError(ValueError):
@@ -82,7 +82,7 @@ def failed_paths(directory: str, rid: str) -> list[str]:
 
 _MAX_HEADER = 1 << 16  # a dump's JSON header is ~400 bytes; anything past this is not ours
 _MARKER_READ = 300  # a marker holds one line, the reason; at most this much of it is read
-_STATE_DTYPES = {name: getattr(torch, name) for name in hook.DUMP_DTYPES}
+_STATE_DTYPES = {name: getattr(torch, name) for name in fmt.DUMP_DTYPES}
 _IDS_DTYPES = {"int64": torch.int64}
 
 
@@ -114,7 +114,7 @@ def _load(path: str, rid: str) -> dict:
     fd, info = _open_untrusted(path, "dump")
     try:
         try:
-            head = os.pread(fd, hook.DUMP_HEAD.size, 0)
+            head = os.pread(fd, fmt.DUMP_HEAD.size, 0)
         except OSError as exc:
             raise DumpError(f"{path}: unreadable dump: {exc}") from None
         v1 = head[:4] == b"PK\x03\x04"
@@ -122,7 +122,7 @@ def _load(path: str, rid: str) -> dict:
     finally:
         os.close(fd)
     try:
-        _check_record(path, record, rid, hook.FORMAT_V1 if v1 else hook.FORMAT)
+        _check_record(path, record, rid, fmt.FORMAT_V1 if v1 else fmt.FORMAT)
     except DumpError:
         raise
     except (LookupError, ValueError, TypeError, AttributeError, RuntimeError) as exc:
@@ -153,23 +153,23 @@ def _load_v1(path: str) -> dict:
         record = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
     except Exception as exc:
         raise DumpError(f"{path}: unreadable dump: {exc}") from None
-    if not isinstance(record, dict) or record.get("format") != hook.FORMAT_V1:
-        raise DumpError(f"{path}: not a {hook.FORMAT_V1} dump")
+    if not isinstance(record, dict) or record.get("format") != fmt.FORMAT_V1:
+        raise DumpError(f"{path}: not a {fmt.FORMAT_V1} dump")
     return record
 
 
 def _load_v2(path: str, fd: int, head: bytes, size: int) -> dict:
     """A format 2 dump's header, checked against the file, and its tensors read."""
-    if len(head) != hook.DUMP_HEAD.size or head[:8] != hook.DUMP_MAGIC:
-        raise DumpError(f"{path}: not a {hook.FORMAT} dump (its first bytes are {head[:8]!r})")
-    _magic, length = hook.DUMP_HEAD.unpack(head)
-    if length > _MAX_HEADER or hook.DUMP_HEAD.size + length > size:
+    if len(head) != fmt.DUMP_HEAD.size or head[:8] != fmt.DUMP_MAGIC:
+        raise DumpError(f"{path}: not a {fmt.FORMAT} dump (its first bytes are {head[:8]!r})")
+    _magic, length = fmt.DUMP_HEAD.unpack(head)
+    if length > _MAX_HEADER or fmt.DUMP_HEAD.size + length > size:
         raise DumpError(f"{path}: header of {length} bytes in a file of {size}")
     try:
-        meta = json.loads(os.pread(fd, length, hook.DUMP_HEAD.size))
+        meta = json.loads(os.pread(fd, length, fmt.DUMP_HEAD.size))
     except (OSError, ValueError, RecursionError) as exc:  # RecursionError: a deeply nested header
         raise DumpError(f"{path}: unreadable header: {exc}") from None
-    tensors = _tensor_specs(path, meta, hook.DUMP_HEAD.size + length, size)
+    tensors = _tensor_specs(path, meta, fmt.DUMP_HEAD.size + length, size)
     record = {key: meta[key] for key in _FIELDS}
     record.update(_read_tensors(path, fd, tensors, size))
     return record
@@ -203,15 +203,7 @@ def _read_tensors(path: str, fd: int, specs: dict, size: int) -> dict:
     return out
 
 
-_FIELDS = {
-    "format": str,
-    "rid": str,
-    "offset": int,
-    "seq_len": int,
-    "layer_ids": list,
-    "capture_owner": str,
-    "sglang_version": str,
-}
+_FIELDS = fmt.HEADER_FIELDS
 
 
 def _check_fields(path: str, meta: object, fmt: str) -> None:
@@ -233,12 +225,12 @@ def _tensor_specs(path: str, meta: object, start: int, size: int) -> dict:
     write_dump lays them out), the file ending with the last; the two states of one dtype. A
     header that lies about a size is caught by the file's end (the aux state is last) or by the
     widths and ids the reader checks next."""
-    _check_fields(path, meta, hook.FORMAT)
+    _check_fields(path, meta, fmt.FORMAT)
     entries = meta.get("tensors")
-    if not isinstance(entries, dict) or sorted(entries) != sorted(hook.DUMP_TENSORS):
-        raise DumpError(f"{path}: header tensors must be exactly {list(hook.DUMP_TENSORS)}")
+    if not isinstance(entries, dict) or sorted(entries) != sorted(fmt.DUMP_TENSORS):
+        raise DumpError(f"{path}: header tensors must be exactly {list(fmt.DUMP_TENSORS)}")
     specs, pos = {}, start
-    for name, rank in zip(hook.DUMP_TENSORS, (1, 2, 2), strict=True):
+    for name, rank in zip(fmt.DUMP_TENSORS, (1, 2, 2), strict=True):
         e = entries[name]
         dtypes = _IDS_DTYPES if name == "input_ids" else _STATE_DTYPES
         dtype = dtypes.get(e.get("dtype")) if isinstance(e, dict) else None
@@ -250,7 +242,7 @@ def _tensor_specs(path: str, meta: object, start: int, size: int) -> dict:
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)
             or not isinstance(at, int)
             or isinstance(at, bool)
-            or at != hook.dump_aligned(pos)  # where the writer puts it
+            or at != fmt.dump_aligned(pos)  # where the writer puts it
         ):
             raise DumpError(f"{path}: header entry for {name} is invalid: {e!r}")
         nbytes = torch.empty((), dtype=dtype).element_size()

@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from extraction.sglang import dumps, hook
+from extraction.sglang import dumps, hook, hsx_dump_format, install
 from hsx import sglang_patch
 from hsx.sglang_versions import SUPPORTED_VERSIONS, release_key
 
@@ -138,7 +138,7 @@ def test_ragged_and_chunked_dumps_equal_hf_hidden_states(attached, states, form)
     for f in out.glob("*.pt"):  # each file holds its own rows only, not the batch's storage
         record = dumps._load(str(f), f.name.split(".")[0])
         rows = sum(record[k].numel() * record[k].element_size() for k in dumps._KEYS)
-        assert rows < f.stat().st_size <= rows + 4 * hook.DUMP_ALIGN, f.name
+        assert rows < f.stat().st_size <= rows + 4 * hsx_dump_format.DUMP_ALIGN, f.name
     for rid, n in LENGTHS.items():
         ids, hs = states[rid]
         got = dumps.read_request(str(out), rid, expected_len=n)
@@ -183,7 +183,7 @@ def test_gaps_and_missing_prefix_are_refused(attached, states):
     forward(model, [("req-b", 9, 17)], states, "list")
     with pytest.raises(dumps.DumpError, match="gap in request 'req-b': piece starts at 9, expected 7"):
         dumps.read_request(str(out), "req-b")
-    (out / hook.dump_name("req-b", 0)).unlink()
+    (out / hsx_dump_format.dump_name("req-b", 0)).unlink()
     with pytest.raises(dumps.DumpError, match="starts at token 9, not 0"):
         dumps.read_request(str(out), "req-b")
     assert dumps.remove_request(str(out), "req-b") == 1
@@ -229,8 +229,8 @@ def test_attach_is_inactive_without_dir_and_refuses_bad_layers(tmp_path, caplog,
 
 
 def test_rid_names_are_file_safe():
-    assert hook.dump_name("abc-1.x", 12) == "abc-1.x.000000012.pt"
-    odd = hook.dump_name("../etc/passwd", 0)
+    assert hsx_dump_format.dump_name("abc-1.x", 12) == "abc-1.x.000000012.pt"
+    odd = hsx_dump_format.dump_name("../etc/passwd", 0)
     assert "/" not in odd and odd.startswith("rid-")
 
 
@@ -259,7 +259,7 @@ def test_patch_lines_call_the_deployed_hook_and_tolerate_its_absence(tmp_path, s
     _exec_line("forward", ns)
     assert ns["aux_hidden_states"] is aux
 
-    shutil.copy(hook.__file__, site / "sglang" / sglang_patch.HOOK_FILENAME)
+    install.deploy_files(site / "sglang")  # the hook and the dump format it imports
     importlib.invalidate_caches()
     model = _model()
     _exec_line("init", {"self": model})
@@ -433,7 +433,7 @@ def _reference_dump(directory, batch, hidden_states, aux, layer_ids, version):
         end = start + n
         rows = packed[start:end] if packed is not None else torch.cat([t[start:end] for t in aux], dim=-1)
         record = {
-            "format": hook.FORMAT_V1,
+            "format": hsx_dump_format.FORMAT_V1,
             "rid": str(rid),
             "offset": prefix,
             "seq_len": prefix + n,
@@ -444,7 +444,7 @@ def _reference_dump(directory, batch, hidden_states, aux, layer_ids, version):
             "capture_owner": hook.OWNER_HOOK,
             "sglang_version": version,
         }
-        name = hook.dump_name(str(rid), prefix)
+        name = hsx_dump_format.dump_name(str(rid), prefix)
         tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # torch.save names the archive after it
         torch.save(record, tmp)
         os.replace(tmp, os.path.join(directory, name))
@@ -477,7 +477,7 @@ def test_dumps_hold_exactly_what_the_synchronous_hook_wrote(attached, states, fo
     assert names == sorted(p.name for p in out.iterdir()) and len(names) == 4
     for name in names:
         got, want = dumps._load(str(out / name), name.split(".")[0]), dumps._load(str(ref / name), name.split(".")[0])
-        assert (got.pop("format"), want.pop("format")) == (hook.FORMAT, hook.FORMAT_V1)
+        assert (got.pop("format"), want.pop("format")) == (hsx_dump_format.FORMAT, hsx_dump_format.FORMAT_V1)
         assert sorted(got) == sorted(want), name
         for key, value in want.items():
             if isinstance(value, torch.Tensor):
