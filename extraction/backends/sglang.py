@@ -8,9 +8,12 @@ ids the ones the run records) and delete. The runner streams samples to `extract
 `window` (= --concurrency) requests in flight at all times, so the server always has requests to
 batch (extraction/runner/stream.py); `extract(samples)` runs a list at once (tests, tools).
 
-A dump is read into memory of ours (pread, never mapped: a dump that shrinks or a disk read error
-fails that sample, not the client) and its file unlinked; a request chunked prefill cut into
-pieces is joined with one copy more (torch.cat), as the shard needs one contiguous tensor.
+A dump is never mapped (a dump that shrinks or a disk read error fails that sample, not the
+client) and its file is unlinked once read. Where the hook found the states finite (format 2's
+`finite` field) they are not read here at all: the sample's states are FileBytes over the dump's
+open descriptors, copied into the shard as it is written (extraction/shards/filebytes.py); else
+(an older hook, or NaN/Inf found) they are read into memory of ours (pread) and a request chunked
+prefill cut into pieces is joined with one copy more (torch.cat).
 
 The reply to POST /generate has a deadline for the whole of it (`reply_deadline`, default
 REPLY_DEADLINE_S) and a size cap (`reply_max_bytes`, default REPLY_MAX_BYTES): the socket timeout
@@ -339,6 +342,7 @@ class SGLangBackend:
             input_ids=sample.input_ids,
             hidden_state=dump.hidden_state,
             aux_hidden_state=dump.aux_hidden_state,
+            finite=dump.finite,  # the hook's check (docs/security.md: whose word it is)
         )
 
     def _attempt(self, ids: list[int], rid: str, sample_id: str) -> dumps.RequestDump:
@@ -349,7 +353,7 @@ class SGLangBackend:
             sent = self._sent
         try:
             self._generate(ids, rid, sample_id)
-            dump = dumps.wait_request(self.dump_dir, rid, len(ids), self.dump_timeout)
+            dump = dumps.wait_request(self.dump_dir, rid, len(ids), self.dump_timeout, states_in_files=True)
         except BaseException as exc:
             self._give_up(rid)
             if isinstance(exc, dumps.DumpIncomplete):

@@ -202,13 +202,20 @@ def pack_aux(aux: Any) -> Any:
 
 class _Piece:
     """One request's rows of one pass, what one dump file holds (tensors not yet exact-owned);
-    `rows` in the order of the pass's sources: final state, input ids, aux parts."""
+    `rows` in the order of the pass's sources: final state, input ids, aux parts. `finite`: the
+    rows' finiteness computed on the GPU (a host bool per row), or None (CPU: the writer checks)."""
 
-    __slots__ = ("rid", "offset", "hidden", "ids", "aux")
+    __slots__ = ("rid", "offset", "hidden", "ids", "aux", "finite")
 
-    def __init__(self, rid: str, offset: int, rows: list[Any]):
+    def __init__(self, rid: str, offset: int, rows: list[Any], finite: Any = None):
         self.rid, self.offset = rid, offset
         self.hidden, self.ids, self.aux = rows[0], rows[1], rows[2:]
+        self.finite = finite
+
+    def all_finite(self) -> bool:
+        """No NaN/Inf in the piece's states (the header's FINITE_FIELD)."""
+        rows = self.finite if self.finite is not None else fmt.rows_finite(self.hidden, self.aux)
+        return bool(rows.all())
 
 
 class _Pass:
@@ -436,11 +443,15 @@ class DumpHook:
         job = _Pass([], sum(fmt.nbytes(t) for t in sources), layer_ids, owner, self.version)
         self.writer.admit(job.nbytes)  # what the pass holds: CPU, the rows; CUDA, their pinned copies
         try:
+            finite = None
             if hidden_states.is_cuda:
-                sources = self._copy_to_host(sources, job)
+                sources, finite = self._copy_to_host(sources, job)
             start = 0  # a pass's rows are contiguous per request, in rids order
             for rid, n, offset in zip(rids, seq_lens, prefix_lens, strict=True):
-                job.pieces.append(_Piece(str(rid), offset, [t[start : start + n] for t in sources]))
+                rows = [t[start : start + n] for t in sources]
+                job.pieces.append(
+                    _Piece(str(rid), offset, rows, None if finite is None else finite[start : start + n])
+                )
                 start += n
         except BaseException:
             # The room goes back, or the next pass would wait forever. Copies already queued into
@@ -450,9 +461,10 @@ class DumpHook:
             raise
         self.writer.submit(job)
 
-    def _copy_to_host(self, sources: list[Any], job: _Pass) -> list[Any]:
+    def _copy_to_host(self, sources: list[Any], job: _Pass) -> tuple[list[Any], Any]:
         """Queue a copy of each source into a pinned host tensor of its own, on a side stream that
-        first waits for the forward's stream, and record job.ready after them: the host tensors."""
+        first waits for the forward's stream, and record job.ready after them: the host tensors,
+        and the rows' finiteness (fmt.rows_finite, computed on that stream, copied the same way)."""
         import torch
 
         device = sources[0].device
@@ -462,6 +474,9 @@ class DumpHook:
         stream.wait_stream(torch.cuda.current_stream(device))
         hosts = []
         with torch.cuda.stream(stream):
+            finite = fmt.rows_finite(sources[0], sources[2:])  # on the side stream: off the forward's path
+            host_finite = self._pinned(finite.shape, torch.bool)
+            host_finite.copy_(finite, non_blocking=True)
             for t in sources:
                 host = self._pinned(t.shape, t.dtype)
                 host.copy_(t, non_blocking=True)
@@ -471,7 +486,7 @@ class DumpHook:
             job.ready = torch.cuda.Event(blocking=True)  # the writer sleeps on it, not spins
             job.ready.record(stream)
         job.device = device
-        return hosts
+        return hosts, host_finite
 
     def _pinned(self, shape: Any, dtype: Any) -> Any:
         """Pinned host memory from torch's caching host allocator (freed blocks are cached by
@@ -513,6 +528,7 @@ class DumpHook:
             "layer_ids": job.layer_ids,
             "capture_owner": job.owner,
             "sglang_version": job.version,
+            fmt.FINITE_FIELD: piece.all_finite(),
             "input_ids": piece.ids.long(),
             "hidden_state": piece.hidden,
             "aux_parts": list(piece.aux),

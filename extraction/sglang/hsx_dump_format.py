@@ -127,6 +127,19 @@ def _name(ident: int, group: bool = False) -> str:
     return f"{name} ({ident})"
 
 
+def rows_finite(hidden: Any, aux_parts: list[Any]) -> Any:
+    """[rows] bool, True where no state of the row is NaN/Inf, on the states' device: from the
+    row sums in float32 (one read of the states, a [rows] result, no [rows, H] mask): a sum with
+    a NaN or Inf in it is never finite. A finite row whose sum overflows reads as not finite;
+    the client then checks that sample's states itself, so the error costs time, never a shard."""
+    import torch
+
+    ok = torch.isfinite(hidden.sum(-1, dtype=torch.float32))
+    for part in aux_parts:
+        ok &= torch.isfinite(part.sum(-1, dtype=torch.float32))
+    return ok
+
+
 def nbytes(t: Any) -> int:
     """The bytes of tensor `t`'s elements."""
     return t.numel() * t.element_size()

@@ -137,10 +137,12 @@ def status(pkg: Path) -> Status:
 
 
 def deployed_state(pkg: Path) -> str:
-    """"current" when every file of DEPLOYED is in `pkg` as the project has it; else "missing" /
+    """ "current" when every file of DEPLOYED is in `pkg` as the project has it; else "missing" /
     "different" naming the files that are not (the hook module and the dump format it imports)."""
     missing = [name for name in DEPLOYED if not (pkg / name).is_file()]
-    different = [name for name, src in DEPLOYED.items() if name not in missing and _sha(pkg / name) != _sha(src)]
+    different = [
+        name for name, src in DEPLOYED.items() if name not in missing and _sha(pkg / name) != _sha(src)
+    ]
     if missing:
         return f"missing ({', '.join(missing)})"
     if different:
@@ -175,7 +177,12 @@ def apply(
     patching.plan(patching.read_text(str(pkg / sglang_patch.TARGET)), dump_patch(), "present", force)
     hook_changed = deploy_files(pkg, check_mode)
     result = patching.apply_file(
-        str(pkg / sglang_patch.TARGET), dump_patch(), "present", force=force, backup=backup, check_mode=check_mode
+        str(pkg / sglang_patch.TARGET),
+        dump_patch(),
+        "present",
+        force=force,
+        backup=backup,
+        check_mode=check_mode,
     )
     return result, hook_changed
 

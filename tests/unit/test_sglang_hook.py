@@ -30,6 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from extraction.sglang import dumps, hook, hsx_dump_format, install
+from extraction.shards.filebytes import in_memory
 from hsx import sglang_patch
 from hsx.sglang_versions import SUPPORTED_VERSIONS, release_key
 
@@ -137,7 +138,7 @@ def test_ragged_and_chunked_dumps_equal_hf_hidden_states(attached, states, form)
     assert len(list(out.glob("req-b.*.pt"))) == 2
     for f in out.glob("*.pt"):  # each file holds its own rows only, not the batch's storage
         record = dumps._load(str(f), f.name.split(".")[0])
-        rows = sum(record[k].numel() * record[k].element_size() for k in dumps._KEYS)
+        rows = sum(record[k].nbytes for k in dumps._KEYS)
         assert rows < f.stat().st_size <= rows + 4 * hsx_dump_format.DUMP_ALIGN, f.name
     for rid, n in LENGTHS.items():
         ids, hs = states[rid]
@@ -478,10 +479,12 @@ def test_dumps_hold_exactly_what_the_synchronous_hook_wrote(attached, states, fo
     for name in names:
         got, want = dumps._load(str(out / name), name.split(".")[0]), dumps._load(str(ref / name), name.split(".")[0])
         assert (got.pop("format"), want.pop("format")) == (hsx_dump_format.FORMAT, hsx_dump_format.FORMAT_V1)
+        assert (got.pop("finite"), want.pop("finite")) == (True, None)  # format 2's hook checked them
         assert sorted(got) == sorted(want), name
         for key, value in want.items():
             if isinstance(value, torch.Tensor):
-                assert value.dtype == got[key].dtype and torch.equal(value, got[key]), (name, key)
+                mine = in_memory(got[key])  # the states the hook found finite are left in the file
+                assert value.dtype == mine.dtype and torch.equal(value, mine), (name, key)
             else:
                 assert got[key] == value, (name, key)
 
@@ -783,9 +786,13 @@ def test_cuda_path_copies_on_a_side_stream_and_the_writer_waits_for_them(attache
     want += [("event", True), ("record", side)]  # a blocking event after the copies
     writer = "hsx-dump-writer"  # which sets the device, then waits for the event, then writes
     want += [("set_device", final.device, writer), ("synchronize", writer)]
+    # first, on the side stream, the rows' finiteness (hsx_dump_format.rows_finite: made there, so no
+    # record_stream) copied into pinned memory of its own, then the sources
+    finite_copy = cuda.calls.pop(1)
+    assert finite_copy[0] == "copy" and finite_copy[1] not in [t.data_ptr() for t in sources]
     assert cuda.calls == want
-    assert cuda.pinned == [tuple(t.shape) for t in sources]
-    assert cuda.ran == len(sources)  # every copy had run before the first save
+    assert cuda.pinned == [(final.shape[0],)] + [tuple(t.shape) for t in sources]
+    assert cuda.ran == len(sources) + 1  # every copy had run before the first save
     assert torch.equal(gate.records[0]["hidden_state"], states["req-a"][1][-1])
     gate.open.set()
     assert hk.flush(30) and hk.failed == 0 and hk.stats()["held_bytes"] == 0
