@@ -128,15 +128,15 @@ def _name(ident: int, group: bool = False) -> str:
 
 
 def rows_finite(hidden: Any, aux_parts: list[Any]) -> Any:
-    """[rows] bool, True where no state of the row is NaN/Inf, on the states' device: from the
-    row sums in float32 (one read of the states, a [rows] result, no [rows, H] mask): a sum with
-    a NaN or Inf in it is never finite. A finite row whose sum overflows reads as not finite;
-    the client then checks that sample's states itself, so the error costs time, never a shard."""
+    """[rows] bool, True where no state of the row is NaN/Inf, on the states' device: from each
+    row's largest and smallest value (amax/amin propagate NaN; +Inf is a largest, -Inf a smallest),
+    two reductions that read the states once each and make [rows] results, no [rows, H] mask
+    (on CPU 0.24 s of one core a GiB of bf16 states; a row sum in float32 took 1.35)."""
     import torch
 
-    ok = torch.isfinite(hidden.sum(-1, dtype=torch.float32))
+    ok = torch.isfinite(hidden.amax(-1)) & torch.isfinite(hidden.amin(-1))
     for part in aux_parts:
-        ok &= torch.isfinite(part.sum(-1, dtype=torch.float32))
+        ok &= torch.isfinite(part.amax(-1)) & torch.isfinite(part.amin(-1))
     return ok
 
 
