@@ -12,6 +12,9 @@ import pytest
 # Importing it before any test module keeps the order of collection irrelevant.
 import torch._dynamo  # noqa: F401, E402
 
+# The dump hook's fixtures, shared by test_sglang_hook*.py (a module's own fixture of a name wins).
+from sglang_hook_helpers import attached, device, form, states  # noqa: E402, F401
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
