@@ -6,8 +6,11 @@ gap or overlap and all agree on layer ids, widths and dtype. Anything else is a 
 file and the problem, so a bad dump never becomes a shard. A dump that is not complete YET (no
 piece, a gap, fewer tokens than sent) is a DumpIncomplete, waited for; any other DumpError is final
 (the pieces are renamed into place whole, so a piece refused now stays refused) and fails the
-sample at once. A dump's bytes are read (pread) into memory the client owns, never mapped: a file
+sample at once. A dump is never mapped: its bytes are read (pread) into memory the client owns,
+or, states the hook's header says are finite (hsx_dump_format.FINITE_FIELD; read_request's
+states_in_files), left in the file as FileBytes for the shard writer to copy; either way a file
 that shrinks or a disk that fails under the read is a DumpError for that sample, not a SIGBUS.
+The format itself: hsx_dump_format.py (the file the hook writes with, deployed beside it).
 Every file here is someone else's: opened without following a link or waiting on a FIFO,
 required to be a regular file, read bounded.
 

@@ -8,10 +8,10 @@ neither: the states stay in their files, and the shard writer copies them throug
 buffer per thread (CHUNK bytes, reused: it stays in the core's cache), taking the CRC32 the zip
 records need of exactly the bytes it writes. A file that is shorter than it was when opened gives
 a short read: the error of that sample (`FileBytes.error`), never a signal; the shard's temp is
-removed by the writer. Measured alternatives (docs/benchmarks.md): a CRC pass, then sendfile
-(0.66 s of CPU a GiB), costs more than this one pass (0.49); a CRC the hook would compute
-(zlib in the server, 0.40 s/GiB) moves the cost to the GPU host's CPU and is a claim the client
-could not check.
+removed by the writer. Measured alternatives (tests/bench/bench_dump_copy.py, docs/benchmarks.md):
+a CRC pass, then sendfile (0.62 s of CPU a GiB), costs more than this one pass (0.48); a CRC the
+hook would compute (zlib in the server, 0.26 s/GiB) moves the cost to the GPU host's CPU and is a
+claim the client could not check against the bytes.
 
 Contract:
 - `FileBytes(dtype, shape, spans, error)`: the C-contiguous tensor of `shape` x `dtype` whose bytes
