@@ -7,6 +7,8 @@ from typing import Any, Protocol
 
 import torch
 
+from extraction.shards.filebytes import FileBytes
+
 
 @dataclass
 class Sample:
@@ -25,8 +27,10 @@ class SampleStates:
 
     sample_id: str
     input_ids: torch.Tensor  # [L] int64, as the model saw them
-    hidden_state: torch.Tensor  # [L, H], final layer after the final norm
-    aux_hidden_state: torch.Tensor  # [L, k*H], captured layers concatenated in layer-id order
+    # [L, H], final layer after the final norm; [L, k*H], captured layers concatenated in layer-id
+    # order. A FileBytes (the sglang backend) where the bytes are left in the server's dump files.
+    hidden_state: torch.Tensor | FileBytes
+    aux_hidden_state: torch.Tensor | FileBytes
     # True/False when the backend already checked both tensors for NaN/Inf (on the device, where it
     # is cheap); None when it did not and the runner must check them on the host.
     finite: bool | None = None

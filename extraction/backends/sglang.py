@@ -8,9 +8,12 @@ ids the ones the run records) and delete. The runner streams samples to `extract
 `window` (= --concurrency) requests in flight at all times, so the server always has requests to
 batch (extraction/runner/stream.py); `extract(samples)` runs a list at once (tests, tools).
 
-A dump is read into memory of ours (pread, never mapped: a dump that shrinks or a disk read error
-fails that sample, not the client) and its file unlinked; a request chunked prefill cut into
-pieces is joined with one copy more (torch.cat), as the shard needs one contiguous tensor.
+A dump is never mapped (a dump that shrinks or a disk read error fails that sample, not the
+client) and its file is unlinked once read. Where the hook found the states finite (format 2's
+`finite` field) they are not read here at all: the sample's states are FileBytes over the dump's
+open descriptors, copied into the shard as it is written (extraction/shards/filebytes.py); else
+(an older hook, or NaN/Inf found) they are read into memory of ours (pread) and a request chunked
+prefill cut into pieces is joined with one copy more (torch.cat).
 
 The reply to POST /generate has a deadline for the whole of it (`reply_deadline`, default
 REPLY_DEADLINE_S) and a size cap (`reply_max_bytes`, default REPLY_MAX_BYTES): the socket timeout
@@ -19,7 +22,7 @@ buffered whole (extraction/sglang/reply.py). Breaking either fails the sample (S
 the server and the limit).
 
 The dump directory must be writable by nobody but its owner and a trusted group
-(hook.dump_dir_problem, the rule the server's hook applies too): refused at start otherwise.
+(hsx_dump_format.dump_dir_problem, the rule the server's hook applies too): refused at start otherwise.
 
 The reply does not wait for the dump (docs/sglang_hook.md says why): when it leaves, the hook's
 writer thread has taken every piece of the request, not necessarily written them. So the client
@@ -77,7 +80,7 @@ import torch
 
 from extraction.backends.base import ModelInfo, Sample, SampleStates
 from extraction.config import DEFAULT_DUMP_TIMEOUT, ConfigError, read_api_key
-from extraction.sglang import dumps, hook, reply
+from extraction.sglang import dumps, hook, hsx_dump_format, reply
 
 ENV_DUMP_DIR = hook.ENV_DIR  # the client reads the same variable the server's hook does
 STALE_SWEEP_SECONDS = 1.0  # how often, at most, the dump directory is swept of what a crash left
@@ -161,7 +164,7 @@ class SGLangBackend:
         self._stale_at = 0.0
         if not os.path.isdir(dump_dir):
             raise SGLangError(f"dump directory {dump_dir} does not exist (the server's {hook.ENV_DIR})")
-        problem = hook.dump_dir_problem(dump_dir)
+        problem = hsx_dump_format.dump_dir_problem(dump_dir)
         if problem is not None:
             raise SGLangError(problem)
         self._client_lock = None if keep_dumps else dumps.client_lock(dump_dir)
@@ -339,6 +342,7 @@ class SGLangBackend:
             input_ids=sample.input_ids,
             hidden_state=dump.hidden_state,
             aux_hidden_state=dump.aux_hidden_state,
+            finite=dump.finite,  # the hook's check (docs/security.md: whose word it is)
         )
 
     def _attempt(self, ids: list[int], rid: str, sample_id: str) -> dumps.RequestDump:
@@ -349,7 +353,7 @@ class SGLangBackend:
             sent = self._sent
         try:
             self._generate(ids, rid, sample_id)
-            dump = dumps.wait_request(self.dump_dir, rid, len(ids), self.dump_timeout)
+            dump = dumps.wait_request(self.dump_dir, rid, len(ids), self.dump_timeout, states_in_files=True)
         except BaseException as exc:
             self._give_up(rid)
             if isinstance(exc, dumps.DumpIncomplete):

@@ -42,6 +42,7 @@ from extraction.runner.lifecycle import Lifecycle
 from extraction.runner.plan import QUEUE_BATCHES
 from extraction.runner.resume import ITEMSIZE
 from extraction.runner.timing import record_usage, thread_usage
+from extraction.shards.filebytes import in_memory
 from extraction.writerproc import (
     FLAG_ABANDON,
     FLAG_DRAIN,
@@ -352,7 +353,7 @@ class ProcessPublisher:
         first (one block, added to `blocks`) if they are not in it (the CPU's states, or a GPU's
         in torch's pinned memory)."""
         arena = self.arena
-        tensors = (st.hidden_state, st.aux_hidden_state)
+        tensors = (in_memory(st.hidden_state), in_memory(st.aux_hidden_state))  # FileBytes read here
         offsets = [arena.offset_of(t) for t in tensors]
         if None in offsets:
             block, offsets = copy_into(arena, *tensors)

@@ -6,8 +6,11 @@ gap or overlap and all agree on layer ids, widths and dtype. Anything else is a 
 file and the problem, so a bad dump never becomes a shard. A dump that is not complete YET (no
 piece, a gap, fewer tokens than sent) is a DumpIncomplete, waited for; any other DumpError is final
 (the pieces are renamed into place whole, so a piece refused now stays refused) and fails the
-sample at once. A dump's bytes are read (pread) into memory the client owns, never mapped: a file
+sample at once. A dump is never mapped: its bytes are read (pread) into memory the client owns,
+or, states the hook's header says are finite (hsx_dump_format.FINITE_FIELD; read_request's
+states_in_files), left in the file as FileBytes for the shard writer to copy; either way a file
 that shrinks or a disk that fails under the read is a DumpError for that sample, not a SIGBUS.
+The format itself: hsx_dump_format.py (the file the hook writes with, deployed beside it).
 Every file here is someone else's: opened without following a link or waiting on a FIFO,
 required to be a regular file, read bounded.
 
@@ -35,10 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
-from extraction.sglang import hook
-from extraction.sglang.hook import FAILED_SUFFIX, rid_stem
+from extraction.sglang import hsx_dump_format as fmt
+from extraction.sglang.hsx_dump_format import FAILED_SUFFIX, rid_stem
+from extraction.shards.filebytes import FileBytes, OpenFile, in_memory
 
-_KEYS = hook.DUMP_TENSORS  # a piece's tensors, in the file's order
+_KEYS = fmt.DUMP_TENSORS  # a piece's tensors, in the file's order
 
 
 class DumpError(ValueError):
@@ -57,12 +61,16 @@ class DumpWriteFailed(DumpError):
 class RequestDump:
     rid: str
     input_ids: torch.Tensor  # [L] int64
-    hidden_state: torch.Tensor  # [L, H]
-    aux_hidden_state: torch.Tensor  # [L, k*H]
+    hidden_state: torch.Tensor | FileBytes  # [L, H]
+    aux_hidden_state: torch.Tensor | FileBytes  # [L, k*H]
     layer_ids: list[int]
     capture_owner: str
     sglang_version: str
     pieces: int
+    # The hook's NaN/Inf check of the states (format 2's FINITE_FIELD): True when every piece says
+    # finite (the states are then FileBytes, left in the dump files); else None: a piece without
+    # the field (an older hook) or one saying false - the client reads and checks them itself.
+    finite: bool | None = None
 
 
 def piece_paths(directory: str, rid: str) -> list[str]:
@@ -82,7 +90,7 @@ def failed_paths(directory: str, rid: str) -> list[str]:
 
 _MAX_HEADER = 1 << 16  # a dump's JSON header is ~400 bytes; anything past this is not ours
 _MARKER_READ = 300  # a marker holds one line, the reason; at most this much of it is read
-_STATE_DTYPES = {name: getattr(torch, name) for name in hook.DUMP_DTYPES}
+_STATE_DTYPES = {name: getattr(torch, name) for name in fmt.DUMP_DTYPES}
 _IDS_DTYPES = {"int64": torch.int64}
 
 
@@ -109,20 +117,27 @@ def _open_untrusted(path: str, what: str) -> tuple[int, os.stat_result]:
 def _load(path: str, rid: str) -> dict:
     """One piece, checked: a dict with the header's fields and the three tensors, each `n` rows;
     DumpError naming the file for anything else. Format 2's tensors are read into memory of
-    ours (_read_tensors); format 1 (a hook deployed before 2026-12-05, in a server not restarted
-    since) is read with torch.load."""
+    ours (_read_tensors), but for the states of a piece whose header says the hook found them
+    finite: those stay in the file, a FileBytes holding its descriptor (the shard writer copies
+    them). Format 1 (a hook deployed before 2026-12-05, in a server not restarted since) is read
+    with torch.load."""
     fd, info = _open_untrusted(path, "dump")
+    kept = None  # the OpenFile that took the descriptor over (states left in the file)
     try:
         try:
-            head = os.pread(fd, hook.DUMP_HEAD.size, 0)
+            head = os.pread(fd, fmt.DUMP_HEAD.size, 0)
         except OSError as exc:
             raise DumpError(f"{path}: unreadable dump: {exc}") from None
         v1 = head[:4] == b"PK\x03\x04"
-        record = _load_v1(path) if v1 else _load_v2(path, fd, head, info.st_size)
+        if v1:
+            record = _load_v1(path)
+        else:
+            record, kept = _load_v2(path, fd, head, info.st_size)
     finally:
-        os.close(fd)
+        if kept is None:
+            os.close(fd)
     try:
-        _check_record(path, record, rid, hook.FORMAT_V1 if v1 else hook.FORMAT)
+        _check_record(path, record, rid, fmt.FORMAT_V1 if v1 else fmt.FORMAT)
     except DumpError:
         raise
     except (LookupError, ValueError, TypeError, AttributeError, RuntimeError) as exc:
@@ -130,17 +145,17 @@ def _load(path: str, rid: str) -> dict:
     return record
 
 
-def _check_record(path: str, record: dict, rid: str, fmt: str) -> None:
-    """The fields and tensors every piece in format `fmt` must have (what read_request and the
-    client use without further checks)."""
-    _check_fields(path, record, fmt)
+def _check_record(path: str, record: dict, rid: str, expected: str) -> None:
+    """The fields and tensors every piece in format `expected` must have (what read_request and
+    the client use without further checks); a state may be a FileBytes (left in the file)."""
+    _check_fields(path, record, expected)
     if record["rid"] != rid:
         raise DumpError(f"{path}: holds request {record['rid']!r}, expected {rid!r}")
     ids = record.get("input_ids")
     n = int(ids.shape[0]) if isinstance(ids, torch.Tensor) and ids.dim() == 1 else -1
     for key, rank in zip(_KEYS, (1, 2, 2), strict=True):
         t = record.get(key)
-        if not isinstance(t, torch.Tensor) or t.dim() != rank or int(t.shape[0]) != n:
+        if not isinstance(t, torch.Tensor | FileBytes) or t.dim() != rank or int(t.shape[0]) != n:
             raise DumpError(f"{path}: {key} missing or not {n} rows of rank {rank}")
     if ids.dtype != torch.int64 or record["hidden_state"].dtype not in _STATE_DTYPES.values():
         raise DumpError(
@@ -153,31 +168,53 @@ def _load_v1(path: str) -> dict:
         record = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
     except Exception as exc:
         raise DumpError(f"{path}: unreadable dump: {exc}") from None
-    if not isinstance(record, dict) or record.get("format") != hook.FORMAT_V1:
-        raise DumpError(f"{path}: not a {hook.FORMAT_V1} dump")
+    if not isinstance(record, dict) or record.get("format") != fmt.FORMAT_V1:
+        raise DumpError(f"{path}: not a {fmt.FORMAT_V1} dump")
+    record["finite"] = None  # format 1 says nothing about it
     return record
 
 
-def _load_v2(path: str, fd: int, head: bytes, size: int) -> dict:
-    """A format 2 dump's header, checked against the file, and its tensors read."""
-    if len(head) != hook.DUMP_HEAD.size or head[:8] != hook.DUMP_MAGIC:
-        raise DumpError(f"{path}: not a {hook.FORMAT} dump (its first bytes are {head[:8]!r})")
-    _magic, length = hook.DUMP_HEAD.unpack(head)
-    if length > _MAX_HEADER or hook.DUMP_HEAD.size + length > size:
+def _load_v2(path: str, fd: int, head: bytes, size: int) -> tuple[dict, OpenFile | None]:
+    """A format 2 dump's header, checked against the file, and its tensors: all read, or (the
+    hook found the states finite: fmt.FINITE_FIELD true) the input ids read and the states left
+    in the file, FileBytes over an OpenFile that takes `fd` over (returned; else None). The
+    record's `finite` is the header's value, None where it has none (an older hook)."""
+    if len(head) != fmt.DUMP_HEAD.size or head[:8] != fmt.DUMP_MAGIC:
+        raise DumpError(f"{path}: not a {fmt.FORMAT} dump (its first bytes are {head[:8]!r})")
+    _magic, length = fmt.DUMP_HEAD.unpack(head)
+    if length > _MAX_HEADER or fmt.DUMP_HEAD.size + length > size:
         raise DumpError(f"{path}: header of {length} bytes in a file of {size}")
     try:
-        meta = json.loads(os.pread(fd, length, hook.DUMP_HEAD.size))
+        meta = json.loads(os.pread(fd, length, fmt.DUMP_HEAD.size))
     except (OSError, ValueError, RecursionError) as exc:  # RecursionError: a deeply nested header
         raise DumpError(f"{path}: unreadable header: {exc}") from None
-    tensors = _tensor_specs(path, meta, hook.DUMP_HEAD.size + length, size)
+    tensors = _tensor_specs(path, meta, fmt.DUMP_HEAD.size + length, size)
+    finite = meta.get(fmt.FINITE_FIELD)
+    if finite is not None and not isinstance(finite, bool):
+        raise DumpError(f"{path}: header field {fmt.FINITE_FIELD!r} is {finite!r}, not true or false")
     record = {key: meta[key] for key in _FIELDS}
-    record.update(_read_tensors(path, fd, tensors, size))
-    return record
+    record["finite"] = finite
+    if finite is not True:
+        record.update(_read_tensors(path, fd, tensors, size))
+        return record, None
+    kept = OpenFile(fd, path, size)
+    record.update(_read_tensors(path, fd, {"input_ids": tensors["input_ids"]}, tensors["hidden_state"][2]))
+    for name in ("hidden_state", "aux_hidden_state"):
+        dtype, shape, at = tensors[name]
+        record[name] = FileBytes(dtype, tuple(shape), ((kept, at, _nbytes(dtype, shape)),), DumpError)
+    return record, kept
+
+
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for d in shape:
+        n *= d
+    return n
 
 
 def _read_tensors(path: str, fd: int, specs: dict, size: int) -> dict:
-    """The tensors `specs` ({name: (dtype, shape, at)}, laid out to the file's end) read with
-    pread into one buffer of ours, views of it. Never a mapping of the file: a dump that shrinks,
+    """The tensors `specs` ({name: (dtype, shape, at)}, laid out up to byte `size`: the file's
+    end, or where the states left in it start) read with pread into one buffer of ours, views of it. Never a mapping of the file: a dump that shrinks,
     or a disk read error (the fallback /data/hsx/dumps), is a DumpError here, not a SIGBUS later."""
     first = min(at for _dtype, _shape, at in specs.values())
     total = size - first
@@ -194,35 +231,24 @@ def _read_tensors(path: str, fd: int, specs: dict, size: int) -> dict:
                 f"{path}: the file shrank to {first + done} bytes while being read ({size} when opened)"
             )
         done += got
-    out = {}
-    for name, (dtype, shape, at) in specs.items():
-        nbytes = torch.empty((), dtype=dtype).element_size()
-        for d in shape:
-            nbytes *= d
-        out[name] = buf[at - first : at - first + nbytes].view(dtype).view(shape)
-    return out
+    return {
+        name: buf[at - first : at - first + _nbytes(dtype, shape)].view(dtype).view(shape)
+        for name, (dtype, shape, at) in specs.items()
+    }
 
 
-_FIELDS = {
-    "format": str,
-    "rid": str,
-    "offset": int,
-    "seq_len": int,
-    "layer_ids": list,
-    "capture_owner": str,
-    "sglang_version": str,
-}
+_FIELDS = fmt.HEADER_FIELDS
 
 
-def _check_fields(path: str, meta: object, fmt: str) -> None:
-    """The header fields (_FIELDS) of a piece in format `fmt`, each of its type."""
+def _check_fields(path: str, meta: object, expected: str) -> None:
+    """The header fields (_FIELDS) of a piece in format `expected`, each of its type."""
     if not isinstance(meta, dict):
         raise DumpError(f"{path}: the header is not an object")
     for key, kind in _FIELDS.items():
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
             raise DumpError(f"{path}: header field {key!r} missing or not {kind.__name__}")
-    if meta["format"] != fmt:
-        raise DumpError(f"{path}: format {meta['format']!r}, expected {fmt}")
+    if meta["format"] != expected:
+        raise DumpError(f"{path}: format {meta['format']!r}, expected {expected}")
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in meta["layer_ids"]):
         raise DumpError(f"{path}: layer_ids {meta['layer_ids']!r} are not all integers")
 
@@ -233,12 +259,12 @@ def _tensor_specs(path: str, meta: object, start: int, size: int) -> dict:
     write_dump lays them out), the file ending with the last; the two states of one dtype. A
     header that lies about a size is caught by the file's end (the aux state is last) or by the
     widths and ids the reader checks next."""
-    _check_fields(path, meta, hook.FORMAT)
+    _check_fields(path, meta, fmt.FORMAT)
     entries = meta.get("tensors")
-    if not isinstance(entries, dict) or sorted(entries) != sorted(hook.DUMP_TENSORS):
-        raise DumpError(f"{path}: header tensors must be exactly {list(hook.DUMP_TENSORS)}")
+    if not isinstance(entries, dict) or sorted(entries) != sorted(fmt.DUMP_TENSORS):
+        raise DumpError(f"{path}: header tensors must be exactly {list(fmt.DUMP_TENSORS)}")
     specs, pos = {}, start
-    for name, rank in zip(hook.DUMP_TENSORS, (1, 2, 2), strict=True):
+    for name, rank in zip(fmt.DUMP_TENSORS, (1, 2, 2), strict=True):
         e = entries[name]
         dtypes = _IDS_DTYPES if name == "input_ids" else _STATE_DTYPES
         dtype = dtypes.get(e.get("dtype")) if isinstance(e, dict) else None
@@ -250,7 +276,7 @@ def _tensor_specs(path: str, meta: object, start: int, size: int) -> dict:
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)
             or not isinstance(at, int)
             or isinstance(at, bool)
-            or at != hook.dump_aligned(pos)  # where the writer puts it
+            or at != fmt.dump_aligned(pos)  # where the writer puts it
         ):
             raise DumpError(f"{path}: header entry for {name} is invalid: {e!r}")
         nbytes = torch.empty((), dtype=dtype).element_size()
@@ -265,9 +291,12 @@ def _tensor_specs(path: str, meta: object, start: int, size: int) -> dict:
     return specs
 
 
-def read_request(directory: str, rid: str, expected_len: int | None = None) -> RequestDump:
+def read_request(
+    directory: str, rid: str, expected_len: int | None = None, states_in_files: bool = False
+) -> RequestDump:
     """Join the pieces of one request; DumpError unless they cover 0..L exactly (DumpIncomplete:
-    not yet; DumpWriteFailed: the hook left a marker)."""
+    not yet; DumpWriteFailed: the hook left a marker). With `states_in_files`, states the hook
+    found finite stay in the files (FileBytes: the shard writer copies them); else they are read."""
     for marker in failed_paths(directory, rid):
         raise DumpWriteFailed(
             f"{marker}: the server could not write this piece of request {rid!r}: {_marker_reason(marker)}"
@@ -308,9 +337,17 @@ def read_request(directory: str, rid: str, expected_len: int | None = None) -> R
     if int(first["aux_hidden_state"].shape[-1]) != hidden * len(first["layer_ids"]):
         raise DumpError(f"{first_path}: aux width does not match {len(first['layer_ids'])} layers x {hidden}")
 
-    def cat(key: str) -> torch.Tensor:
-        parts = [r[key] for r, _ in records]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    in_files = states_in_files and all(r["finite"] is True for r, _ in records)  # else all are read
+
+    def cat(key: str) -> torch.Tensor | FileBytes:
+        parts = [r[key] if in_files else in_memory(r[key]) for r, _ in records]
+        if len(parts) == 1:
+            return parts[0]
+        if isinstance(parts[0], FileBytes):  # the pieces' spans in row order: still nothing read
+            rows = sum(int(p.shape[0]) for p in parts)
+            spans = tuple(span for p in parts for span in p.spans)
+            return FileBytes(parts[0].dtype, (rows, *parts[0].shape[1:]), spans, DumpError)
+        return torch.cat(parts, dim=0)
 
     return RequestDump(
         rid=rid,
@@ -321,6 +358,7 @@ def read_request(directory: str, rid: str, expected_len: int | None = None) -> R
         capture_owner=str(first["capture_owner"]),
         sglang_version=str(first["sglang_version"]),
         pieces=len(records),
+        finite=True if in_files else None,
     )
 
 
@@ -513,7 +551,9 @@ class _DirWatch:
             self.fd = -1
 
 
-def wait_request(directory: str, rid: str, expected_len: int, timeout: float) -> RequestDump:
+def wait_request(
+    directory: str, rid: str, expected_len: int, timeout: float, states_in_files: bool = False
+) -> RequestDump:
     """read_request once the pieces covering 0..expected_len are in place (the hook renames each
     piece into place when it is complete). Woken by inotify on renames of this request's names;
     DumpWriteFailed at once for a `.failed` marker, DumpError at once for a piece the reader
@@ -526,7 +566,7 @@ def wait_request(directory: str, rid: str, expected_len: int, timeout: float) ->
     try:
         while True:
             try:
-                return read_request(directory, rid, expected_len=expected_len)
+                return read_request(directory, rid, expected_len, states_in_files)
             except DumpIncomplete as exc:
                 left = deadline - time.monotonic()
                 if left <= 0:

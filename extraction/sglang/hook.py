@@ -11,7 +11,7 @@ docs/sglang_hook.md in the hsx repository. The contracts:
   pass (EXTEND/MIXED, attention-TP rank 0) to one writer thread. It waits only while the dumps in
   flight fill HSX_DUMP_BUDGET_MB (back-pressure: a dump is never dropped, never partial).
 - To the client: per request and prefill piece, `<rid>.<offset>.pt` (format hsx-sglang-dump/2: a
-  JSON header, then each tensor's raw bytes at a page boundary; `write_dump` below), visible only
+  JSON header, then each tensor's raw bytes at a page boundary: hsx_dump_format.py beside it), visible only
   complete (temp name + rename), or a `<rid>.<offset>.failed` marker holding why it was not
   written. When a request's reply leaves, its pieces have been taken, not yet written: the
   client waits for the renames (extraction.sglang.dumps.wait_request).
@@ -31,37 +31,47 @@ from __future__ import annotations
 
 import atexit
 import collections
-import ctypes
-import errno
 import functools
-import json
 import logging
 import os
-import re
-import stat
-import struct
 import threading
 import time
 from typing import Any
 
-FORMAT = "hsx-sglang-dump/2"
-FORMAT_V1 = "hsx-sglang-dump/1"  # a torch.save'd dict: what a hook deployed before 2026-12-05 writes
-# The file's layout (write_dump; the client's reader is extraction/sglang/dumps.py):
-DUMP_MAGIC = b"HSXDUMP2"
-DUMP_HEAD = struct.Struct("<8sQ")  # magic, then the JSON header's length in bytes
-DUMP_ALIGN = 4096  # every tensor's bytes start at a multiple of it (page-aligned when mapped)
-DUMP_TENSORS = ("input_ids", "hidden_state", "aux_hidden_state")  # in the file in this order
-DUMP_DTYPES = ("bfloat16", "float16", "float32")  # the states' dtypes the reader accepts (ids: int64)
+FORMAT_MODULE = "hsx_dump_format"  # the dump format, deployed beside this file (one source of truth)
+
+
+def _load_format() -> Any:
+    """The dump format module beside this file: `sglang.hsx_dump_format` as deployed, or
+    `extraction.sglang.hsx_dump_format` in the project; loaded from its file when this module was
+    itself loaded from a file outside a package. Missing -> ImportError: attach() never runs
+    without it (the patch's import of the hook fails, and SGLang runs unpatched)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if __package__:
+        return importlib.import_module(f"{__package__}.{FORMAT_MODULE}")
+    module = sys.modules.get(FORMAT_MODULE)
+    if module is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), FORMAT_MODULE + ".py")
+        spec = importlib.util.spec_from_file_location(FORMAT_MODULE, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no {FORMAT_MODULE} beside {__file__}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[FORMAT_MODULE] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+fmt = _load_format()
 ENV_DIR = "HSX_DUMP_DIR"
 ENV_LAYERS = "HSX_DUMP_LAYERS"
 ENV_BUDGET = "HSX_DUMP_BUDGET_MB"
 DEFAULT_BUDGET_MB = 4096
 EXIT_DRAIN_SECONDS = 60.0
 STALL_LOG_SECONDS = 60.0  # a back-pressure wait this long is logged (and again every as long)
-FAILED_SUFFIX = ".failed"
 MARKER_MODE = 0o640  # a failure marker: the server account writes it, its group (the job) reads it
-# A file of ours, created here or not at all: never through a link, never an existing FIFO.
-_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 PREFILL_MODES = ("EXTEND", "MIXED")
 OWNER_HOOK = "hook"
 OWNER_SGLANG = "sglang"  # EAGLE-3/DFlash set layers_to_capture; we pass through
@@ -69,7 +79,6 @@ OWNER_SGLANG = "sglang"  # EAGLE-3/DFlash set layers_to_capture; we pass through
 log = logging.getLogger("hsx_dump_hook")
 _logged: set[str] = set()
 _lock = threading.Lock()
-_SAFE_RID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # fullmatch: "$" would let a trailing newline in
 
 
 def _log_once(key: str, msg: str, *args: Any, exc_info: bool = False) -> None:
@@ -78,24 +87,6 @@ def _log_once(key: str, msg: str, *args: Any, exc_info: bool = False) -> None:
             return
         _logged.add(key)
     log.warning("hsx dump hook: " + msg + " (logged once)", *args, exc_info=exc_info)
-
-
-def rid_stem(rid: str) -> str:
-    """File-name-safe form of a request id (the reader uses the same function)."""
-    if _SAFE_RID.fullmatch(rid) and not rid.startswith("."):
-        return rid
-    import hashlib
-
-    return "rid-" + hashlib.sha256(rid.encode("utf-8")).hexdigest()[:32]
-
-
-def dump_name(rid: str, offset: int) -> str:
-    return f"{rid_stem(rid)}.{offset:09d}.pt"
-
-
-def failed_name(rid: str, offset: int) -> str:
-    """The marker the writer leaves when a piece could not be written (holds the reason)."""
-    return f"{rid_stem(rid)}.{offset:09d}{FAILED_SUFFIX}"
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -181,7 +172,7 @@ def attach(model: Any, environ: dict[str, str] | None = None) -> DumpHook | None
         layer_ids = parse_layer_ids(text, num_layers) if text else default_layer_ids(num_layers)
         budget = parse_budget(env.get(ENV_BUDGET, "") or str(DEFAULT_BUDGET_MB))
         os.makedirs(directory, exist_ok=True)
-        problem = dump_dir_problem(directory)
+        problem = fmt.dump_dir_problem(directory)
         if problem is not None:
             _log_once("attach-dir", "not attached, SGLang runs unpatched: %s", problem)
             return None
@@ -198,61 +189,6 @@ def attach(model: Any, environ: dict[str, str] | None = None) -> DumpHook | None
         return None
 
 
-def dump_dir_problem(directory: str, st: os.stat_result | None = None) -> str | None:
-    """Why `directory` (or the directory whose stat is `st`) must not hold dumps, or None.
-
-    The rule (the server's hook and the client apply the same): a directory that nobody but its
-    owner and a trusted group can write. Refused: writable by others (S_IWOTH; a sticky bit does
-    not help: others could still create the names we are about to use), and group-writable unless
-    its group is the owner's own primary group or this process's effective group (the account the
-    server or the job runs as). Anyone else who can write there could plant the files the server
-    renames into place and the client reads and removes, possibly as root. The directory itself
-    may be reached through a link (the operator's path); what it holds is judged, not the path."""
-    try:
-        st = os.stat(directory) if st is None else st
-    except OSError as exc:
-        return f"dump directory {directory} cannot be checked: {exc}"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"dump directory {directory} is not a directory"
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & stat.S_IWOTH:
-        who = "every user"
-    elif mode & stat.S_IWGRP and st.st_gid not in _trusted_groups(st.st_uid):
-        who = f"group {_name(st.st_gid, group=True)}"
-    else:
-        return None
-    return (
-        f"dump directory {directory} is writable by {who} (owner {_name(st.st_uid)}, group "
-        f"{_name(st.st_gid, group=True)}, mode {mode:04o}): anyone there could plant files the server "
-        f"and the client would use; make it the server account's own (chmod go-w {directory}, as "
-        "roles/hsx makes /run/hsx-dumps: 0750) or use another dump directory"
-    )
-
-
-def _trusted_groups(owner: int) -> set[int]:
-    """The groups whose write access to a dump directory is accepted (dump_dir_problem)."""
-    groups = {os.getegid()}
-    try:
-        import pwd
-
-        groups.add(pwd.getpwuid(owner).pw_gid)
-    except (ImportError, KeyError):
-        pass
-    return groups
-
-
-def _name(ident: int, group: bool = False) -> str:
-    """A user or group id as 'name (id)', or the bare id where it has no name."""
-    try:
-        import grp
-        import pwd
-
-        name = grp.getgrgid(ident).gr_name if group else pwd.getpwuid(ident).pw_name
-    except (ImportError, KeyError):
-        return str(ident)
-    return f"{name} ({ident})"
-
-
 def pack_aux(aux: Any) -> Any:
     """[tokens, k*H] from the list form or the AuxHiddenStatePacker form."""
     import torch
@@ -264,19 +200,22 @@ def pack_aux(aux: Any) -> Any:
     return torch.cat(list(aux), dim=-1)
 
 
-def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size()
-
-
 class _Piece:
     """One request's rows of one pass, what one dump file holds (tensors not yet exact-owned);
-    `rows` in the order of the pass's sources: final state, input ids, aux parts."""
+    `rows` in the order of the pass's sources: final state, input ids, aux parts. `finite`: the
+    rows' finiteness computed on the GPU (a host bool per row), or None (CPU: the writer checks)."""
 
-    __slots__ = ("rid", "offset", "hidden", "ids", "aux")
+    __slots__ = ("rid", "offset", "hidden", "ids", "aux", "finite")
 
-    def __init__(self, rid: str, offset: int, rows: list[Any]):
+    def __init__(self, rid: str, offset: int, rows: list[Any], finite: Any = None):
         self.rid, self.offset = rid, offset
         self.hidden, self.ids, self.aux = rows[0], rows[1], rows[2:]
+        self.finite = finite
+
+    def all_finite(self) -> bool:
+        """No NaN/Inf in the piece's states (the header's FINITE_FIELD)."""
+        rows = self.finite if self.finite is not None else fmt.rows_finite(self.hidden, self.aux)
+        return bool(rows.all())
 
 
 class _Pass:
@@ -501,14 +440,18 @@ class DumpHook:
                 sources[2] = packed.detach().clone()  # not ours to keep
             sources[1] = sources[1].to(torch.long, copy=True)  # tiny; the batch's ids are SGLang's
         owner = OWNER_HOOK if owned else OWNER_SGLANG
-        job = _Pass([], sum(_nbytes(t) for t in sources), layer_ids, owner, self.version)
+        job = _Pass([], sum(fmt.nbytes(t) for t in sources), layer_ids, owner, self.version)
         self.writer.admit(job.nbytes)  # what the pass holds: CPU, the rows; CUDA, their pinned copies
         try:
+            finite = None
             if hidden_states.is_cuda:
-                sources = self._copy_to_host(sources, job)
+                sources, finite = self._copy_to_host(sources, job)
             start = 0  # a pass's rows are contiguous per request, in rids order
             for rid, n, offset in zip(rids, seq_lens, prefix_lens, strict=True):
-                job.pieces.append(_Piece(str(rid), offset, [t[start : start + n] for t in sources]))
+                rows = [t[start : start + n] for t in sources]
+                job.pieces.append(
+                    _Piece(str(rid), offset, rows, None if finite is None else finite[start : start + n])
+                )
                 start += n
         except BaseException:
             # The room goes back, or the next pass would wait forever. Copies already queued into
@@ -518,9 +461,10 @@ class DumpHook:
             raise
         self.writer.submit(job)
 
-    def _copy_to_host(self, sources: list[Any], job: _Pass) -> list[Any]:
+    def _copy_to_host(self, sources: list[Any], job: _Pass) -> tuple[list[Any], Any]:
         """Queue a copy of each source into a pinned host tensor of its own, on a side stream that
-        first waits for the forward's stream, and record job.ready after them: the host tensors."""
+        first waits for the forward's stream, and record job.ready after them: the host tensors,
+        and the rows' finiteness (fmt.rows_finite, computed on that stream, copied the same way)."""
         import torch
 
         device = sources[0].device
@@ -530,6 +474,9 @@ class DumpHook:
         stream.wait_stream(torch.cuda.current_stream(device))
         hosts = []
         with torch.cuda.stream(stream):
+            finite = fmt.rows_finite(sources[0], sources[2:])  # on the side stream: off the forward's path
+            host_finite = self._pinned(finite.shape, torch.bool)
+            host_finite.copy_(finite, non_blocking=True)
             for t in sources:
                 host = self._pinned(t.shape, t.dtype)
                 host.copy_(t, non_blocking=True)
@@ -539,7 +486,7 @@ class DumpHook:
             job.ready = torch.cuda.Event(blocking=True)  # the writer sleeps on it, not spins
             job.ready.record(stream)
         job.device = device
-        return hosts
+        return hosts, host_finite
 
     def _pinned(self, shape: Any, dtype: Any) -> Any:
         """Pinned host memory from torch's caching host allocator (freed blocks are cached by
@@ -565,8 +512,8 @@ class DumpHook:
         for piece in job.pieces:
             try:
                 record = self._record(piece, job)
-                self._write(dump_name(piece.rid, piece.offset), record)
-                self.writer.bytes_written += sum(_nbytes(t) for t in _tensors_of(record))
+                self._write(fmt.dump_name(piece.rid, piece.offset), record)
+                self.writer.bytes_written += sum(fmt.nbytes(t) for t in _tensors_of(record))
             except Exception as exc:
                 self._failed(piece, exc)
 
@@ -574,13 +521,14 @@ class DumpHook:
         """The piece's header fields, and its tensors under `input_ids` (int64), `hidden_state`
         and `aux_parts` (written interleaved row by row: no concatenated copy is made)."""
         return {
-            "format": FORMAT,
+            "format": fmt.FORMAT,
             "rid": piece.rid,
             "offset": piece.offset,
             "seq_len": piece.offset + int(piece.ids.shape[0]),
             "layer_ids": job.layer_ids,
             "capture_owner": job.owner,
             "sglang_version": job.version,
+            fmt.FINITE_FIELD: piece.all_finite(),
             "input_ids": piece.ids.long(),
             "hidden_state": piece.hidden,
             "aux_parts": list(piece.aux),
@@ -588,7 +536,7 @@ class DumpHook:
 
     def _save(self, record: dict[str, Any], path: str) -> None:
         header = {k: v for k, v in record.items() if k not in ("input_ids", "hidden_state", "aux_parts")}
-        write_dump(path, header, (record["input_ids"], record["hidden_state"], record["aux_parts"]))
+        fmt.write_dump(path, header, (record["input_ids"], record["hidden_state"], record["aux_parts"]))
 
     def _write(self, name: str, record: dict[str, Any]) -> None:
         self._place(name, functools.partial(self._save, record))
@@ -597,22 +545,22 @@ class DumpHook:
     def _failed(self, piece: _Piece, exc: BaseException) -> None:
         """Log a piece not written; leave its marker (the reason) where the directory takes it."""
         self.failed += 1
-        name = dump_name(piece.rid, piece.offset)
+        name = fmt.dump_name(piece.rid, piece.offset)
         log.warning("hsx dump hook: dump %s not written: %s: %s", name, type(exc).__name__, exc)
         _log_once(f"write:{type(exc).__name__}", "first write failure of this kind", exc_info=True)
 
         def save(tmp: str) -> None:  # created as a dump is: exclusively, never through a link
-            with os.fdopen(os.open(tmp, _NEW_FILE, MARKER_MODE), "w", encoding="utf-8") as f:
+            with os.fdopen(os.open(tmp, fmt.NEW_FILE_FLAGS, MARKER_MODE), "w", encoding="utf-8") as f:
                 f.write(f"{type(exc).__name__}: {exc}\n")
 
         try:
-            self._place(failed_name(piece.rid, piece.offset), save)
+            self._place(fmt.failed_name(piece.rid, piece.offset), save)
         except OSError:
             pass  # no marker either: the client times out and asks again
 
     def _place(self, name: str, save: Any) -> None:
         """save(a temp name), then rename it to `name`: the file appears whole or not at all.
-        `save` creates the temp exclusively without following a link (_NEW_FILE): an entry planted
+        `save` creates the temp exclusively without following a link (fmt.NEW_FILE_FLAGS): an entry planted
         at the temp's name fails it (FileExistsError) and is left alone. rename(2) follows no link
         either: a link at `name` is replaced, never written through."""
         tmp = os.path.join(self.directory, f".{name}.{os.getpid()}.tmp")
@@ -638,127 +586,3 @@ def _shares_storage(a: Any, b: Any) -> bool:
         return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     except Exception:
         return False
-
-
-def dump_aligned(n: int) -> int:
-    """`n` rounded up to DUMP_ALIGN: where a dump's next tensor starts after `n` bytes."""
-    return -(-n // DUMP_ALIGN) * DUMP_ALIGN
-
-
-def dump_layout(header: dict[str, Any], specs: dict[str, tuple[str, list[int], int]]) -> tuple[bytes, list[int]]:
-    """The head of a dump (magic, header length, JSON header, zero padding) and each tensor's
-    offset, for `specs` {name: (dtype name, shape, bytes)} in DUMP_TENSORS order. The header gains
-    `tensors`: {name: {"dtype", "shape", "at"}}; each `at` is a multiple of DUMP_ALIGN and the file
-    ends with the last tensor's bytes."""
-    at = DUMP_ALIGN  # where the first tensor starts: the head rounded up, found in a pass or two
-    while True:
-        entries, offsets, pos = {}, [], at
-        for name in DUMP_TENSORS:
-            dtype, shape, nbytes = specs[name]
-            entries[name] = {"dtype": dtype, "shape": shape, "at": pos}
-            offsets.append(pos)
-            pos += dump_aligned(nbytes)
-        text = json.dumps({**header, "tensors": entries}, separators=(",", ":")).encode()
-        need = dump_aligned(DUMP_HEAD.size + len(text))
-        if need <= at:  # offsets only grow with `at`: this terminates
-            head = DUMP_HEAD.pack(DUMP_MAGIC, len(text)) + text
-            return head + bytes(at - len(head)), offsets
-        at = need
-
-
-def write_dump(path: str, header: dict[str, Any], tensors: tuple[Any, Any, list[Any]]) -> None:
-    """Write one dump file (format hsx-sglang-dump/2) at `path`, created exclusively and never
-    through a link: `tensors` = (input_ids, hidden_state, aux parts), CPU tensors of the same
-    rows; the aux parts are written interleaved row by row, as their concatenation on the last
-    dim would lie in memory, straight from where they are: one iovec per part and row, so no
-    copy in user space and next to no Python while the server's threads want the GIL."""
-    import torch
-
-    ids, hidden, parts = tensors
-    rows = int(ids.shape[0])
-    if any(p.dtype != parts[0].dtype or p.dim() != 2 or int(p.shape[0]) != rows for p in parts):
-        raise ValueError("the aux parts differ in dtype or rows")
-    ids, hidden = ids.contiguous(), hidden.contiguous()
-    parts = [p.contiguous() for p in parts]  # rows of a [tokens, H] state: already contiguous
-    width = sum(int(p.shape[-1]) for p in parts)
-    specs = {
-        name: (str(t.dtype).removeprefix("torch."), [int(d) for d in t.shape], _nbytes(t))
-        for name, t in zip(DUMP_TENSORS[:2], (ids, hidden), strict=False)
-    }
-    specs[DUMP_TENSORS[2]] = (str(parts[0].dtype).removeprefix("torch."), [rows, width], sum(map(_nbytes, parts)))
-    head, offsets = dump_layout(header, specs)
-    zeros = _zeros()
-    segments, pos = [(ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value or 0, len(head))], len(head)
-    for at, t in zip(offsets[:2], (ids, hidden), strict=True):
-        if at > pos:
-            segments.append((ctypes.addressof(zeros), at - pos))
-        segments.append((t.data_ptr(), _nbytes(t)))
-        pos = at + _nbytes(t)
-    if offsets[2] > pos:
-        segments.append((ctypes.addressof(zeros), offsets[2] - pos))
-    # The table points into head, zeros and the tensors: all held here until the writes are done.
-    iov = torch.cat([torch.tensor(segments, dtype=torch.int64).view(-1, 2), _aux_iovecs(parts, rows)])
-    fd = os.open(path, _NEW_FILE, 0o666)
-    try:
-        _writev_table(fd, iov)
-    finally:
-        os.close(fd)
-
-
-def _aux_iovecs(parts: list[Any], rows: int) -> Any:
-    """[rows * k, 2] int64 (address, length): row r of part 0, row r of part 1, ... - the bytes of
-    torch.cat(parts, dim=-1), in order, where they lie; one entry for a single part."""
-    import torch
-
-    lengths = torch.tensor([int(p.shape[-1]) * p.element_size() for p in parts], dtype=torch.int64)
-    bases = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64)
-    if len(parts) == 1:
-        return torch.stack([bases, lengths * rows], dim=-1)
-    r = torch.arange(rows, dtype=torch.int64).unsqueeze(1)
-    return torch.stack([bases + r * lengths, lengths.expand(rows, len(parts))], dim=-1).reshape(-1, 2)
-
-
-def _writev_table(fd: int, iov: Any) -> None:
-    """Write what the iovec table `iov` ([n, 2] int64: address, length; struct iovec on 64-bit
-    Linux) points at, in order: libc's writev through ctypes, which lets go of the GIL for the
-    call, IOV_MAX entries a call; a short write resumes inside the entry it stopped in."""
-    import torch
-
-    writev = _libc_writev()
-    i, n = 0, int(iov.shape[0])
-    while i < n:
-        count = min(_IOV_MAX, n - i)
-        done = writev(fd, iov.data_ptr() + 16 * i, count)
-        if done < 0:
-            err = ctypes.get_errno()
-            if err == errno.EINTR:
-                continue
-            raise OSError(err, os.strerror(err))
-        ends = torch.cumsum(iov[i : i + count, 1], 0)
-        if done == 0 and int(ends[-1]) > 0:
-            raise OSError(errno.EIO, f"writev wrote nothing to fd {fd}")
-        full = int(torch.searchsorted(ends, done, right=True))  # entries written whole
-        if full < count:  # stopped inside entry i + full: start there next time
-            inside = done - (int(ends[full - 1]) if full else 0)
-            iov[i + full, 0] += inside
-            iov[i + full, 1] -= inside
-        i += full
-
-
-_IOV_MAX = 1024  # Linux's UIO_MAXIOV
-
-
-@functools.lru_cache(maxsize=1)
-def _libc_writev() -> Any:
-    if ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_size_t) != 8:
-        raise OSError(errno.ENOSYS, "the dump writer needs a 64-bit platform")
-    writev = ctypes.CDLL(None, use_errno=True).writev
-    writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    writev.restype = ctypes.c_ssize_t
-    return writev
-
-
-@functools.lru_cache(maxsize=1)
-def _zeros() -> Any:
-    """DUMP_ALIGN zero bytes: the padding between a dump's tensors points here."""
-    return (ctypes.c_ubyte * DUMP_ALIGN)()

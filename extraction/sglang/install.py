@@ -19,6 +19,10 @@ from hsx import patching, sglang_patch
 from hsx.sglang_versions import support_problem
 
 HOOK_SOURCE = Path(__file__).with_name("hook.py")
+FORMAT_SOURCE = Path(__file__).with_name(sglang_patch.FORMAT_FILENAME)  # the hook imports it
+# What is deployed into the sglang package: {name there: the project's file}; the format first, as
+# the hook imports it.
+DEPLOYED = {sglang_patch.FORMAT_FILENAME: FORMAT_SOURCE, sglang_patch.HOOK_FILENAME: HOOK_SOURCE}
 
 
 class InstallError(Exception):
@@ -103,7 +107,7 @@ class Status:
     version: str | None
     unsupported: str | None  # why the version is not supported
     patch: patching.Inspection
-    hook: str  # "current" | "missing" | "different"
+    hook: str  # "current" | "missing" | "different": the worst of the deployed files (DEPLOYED)
 
     @property
     def summary(self) -> str:
@@ -113,7 +117,7 @@ class Status:
         st = self.patch.status
         if st == patching.PATCHED:
             text = f"patched (v{self.patch.found_version})"
-            return text if self.hook == "current" else f"{text}, but the hook module is {self.hook}"
+            return text if self.hook == "current" else f"{text}, but the hook files are {self.hook}"
         if st == patching.OUTDATED:
             return f"outdated ({self.patch.reason})"
         if st in (patching.UNSUPPORTED, patching.DAMAGED):
@@ -128,9 +132,38 @@ class Status:
 def status(pkg: Path) -> Status:
     version = read_version(pkg)
     text = patching.read_text(str(pkg / sglang_patch.TARGET))
-    hook_sha = _sha(pkg / sglang_patch.HOOK_FILENAME)
-    hook = "missing" if hook_sha is None else ("current" if hook_sha == _sha(HOOK_SOURCE) else "different")
+    hook = deployed_state(pkg)
     return Status(str(pkg), version, support_problem(version), patching.examine(text, dump_patch()), hook)
+
+
+def deployed_state(pkg: Path) -> str:
+    """ "current" when every file of DEPLOYED is in `pkg` as the project has it; else "missing" /
+    "different" naming the files that are not (the hook module and the dump format it imports)."""
+    missing = [name for name in DEPLOYED if not (pkg / name).is_file()]
+    different = [
+        name for name, src in DEPLOYED.items() if name not in missing and _sha(pkg / name) != _sha(src)
+    ]
+    if missing:
+        return f"missing ({', '.join(missing)})"
+    if different:
+        return f"different ({', '.join(different)})"
+    return "current"
+
+
+def deploy_files(pkg: Path, check_mode: bool = False) -> bool:
+    """Copy every file of DEPLOYED that differs into `pkg` (temp name, then rename: a server
+    starting meanwhile imports the old file or the new, never half of one); whether any differed."""
+    changed = False
+    for name, src in DEPLOYED.items():
+        dest = pkg / name
+        if _sha(dest) == _sha(src):
+            continue
+        changed = True
+        if not check_mode:
+            tmp = dest.with_name(f".{dest.name}.tmp")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dest)
+    return changed
 
 
 def apply(
@@ -140,16 +173,16 @@ def apply(
     problem = support_problem(read_version(pkg))
     if problem and not force:
         raise patching.PatchError(f"{pkg}: {problem}; nothing changed (--force to patch anyway)")
-    hook_dest = pkg / sglang_patch.HOOK_FILENAME
-    hook_changed = _sha(hook_dest) != _sha(HOOK_SOURCE)
     # Plan the source patch first, so a refusal leaves the hook undeployed too.
     patching.plan(patching.read_text(str(pkg / sglang_patch.TARGET)), dump_patch(), "present", force)
-    if hook_changed and not check_mode:
-        tmp = hook_dest.with_name(f".{hook_dest.name}.tmp")
-        shutil.copyfile(HOOK_SOURCE, tmp)
-        os.replace(tmp, hook_dest)
+    hook_changed = deploy_files(pkg, check_mode)
     result = patching.apply_file(
-        str(pkg / sglang_patch.TARGET), dump_patch(), "present", force=force, backup=backup, check_mode=check_mode
+        str(pkg / sglang_patch.TARGET),
+        dump_patch(),
+        "present",
+        force=force,
+        backup=backup,
+        check_mode=check_mode,
     )
     return result, hook_changed
 
@@ -157,12 +190,12 @@ def apply(
 def revert(
     pkg: Path, check_mode: bool = False, remove_hook: bool = True, backup: bool = True
 ) -> tuple[patching.Result, bool]:
-    """Remove the patch (byte-identical original) and, by default, the hook module."""
+    """Remove the patch (byte-identical original) and, by default, the deployed files (DEPLOYED)."""
     result = patching.apply_file(
         str(pkg / sglang_patch.TARGET), dump_patch(), "absent", backup=backup, check_mode=check_mode
     )
-    hook_dest = pkg / sglang_patch.HOOK_FILENAME
-    hook_removed = remove_hook and hook_dest.exists()
-    if hook_removed and not check_mode:
-        hook_dest.unlink()
-    return result, hook_removed
+    present = [pkg / name for name in DEPLOYED if (pkg / name).exists()] if remove_hook else []
+    if not check_mode:
+        for dest in reversed(present):  # the hook before the format it imports
+            dest.unlink()
+    return result, bool(present)

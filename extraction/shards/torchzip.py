@@ -22,13 +22,14 @@ import io
 import os
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hsx.crc import active_crc32
+from extraction.shards.filebytes import FileBytes
+from hsx.crc import active_crc32, crc32_combine
 from hsx.layout import DTYPES, KEY_AUX, KEY_HIDDEN, KEY_INPUT_IDS, KEY_LOSS_MASK
 from hsx.ziprecords import ShardReader, read_zip_records
 
@@ -189,25 +190,43 @@ class TorchZipLayout:
 
     def encode(self, payload: dict[str, torch.Tensor]) -> Encoded:
         """The pieces of torch.save(payload)'s file; tensors must be contiguous CPU tensors."""
+        pieces: list[Any] = []
+        steps = self.steps(payload)
+        crc: int | None = None
+        try:
+            while True:
+                piece = steps.send(crc)
+                if isinstance(piece, FileBytes):
+                    raise TypeError("a FileBytes is copied while it is written (steps), not encoded")
+                pieces.append(piece)
+                crc = None if isinstance(piece, bytes) else self.crc32(piece)
+        except StopIteration as stop:
+            size, whole = stop.value
+        return Encoded(pieces, size, whole)
+
+    def steps(self, payload: dict[str, Any]) -> Generator[Any, int | None, tuple[int, int]]:
+        """torch.save(payload)'s file as pieces, in order: bytes (send None back), and each
+        tensor's data - a memoryview of a contiguous CPU tensor, or a FileBytes - whose CRC32 the
+        caller sends back (encode computes it; the shard writer takes it while copying a FileBytes:
+        the records after a tensor's data depend on it). Returns (size, CRC32 of the whole file)."""
         crc32, combine = self.crc32, self.combine
         items, buffers = [], {}
         for i, (key, t) in enumerate(payload.items()):
             storage = DTYPES[str(t.dtype).removeprefix("torch.")][0]
             items.append((key, storage, str(i), tuple(t.shape)))
-            buffers[f"data/{i}"] = tensor_buffer(t)
+            buffers[f"data/{i}"] = t if isinstance(t, FileBytes) else tensor_buffer(t)
         pickled = tensor_dict_pickle(items)
-        pieces: list[Any] = []
-        small: list[bytes] = []  # bytes not yet flushed into `pieces`
+        small: list[bytes] = []  # bytes not yet handed out
         central: list[bytes] = []
         cursor = whole = save_id = 0
 
-        def flush() -> None:
+        def flush() -> Generator[bytes, int | None, None]:
             nonlocal whole
             if small:
                 block = b"".join(small)
                 whole = crc32(block, whole)
-                pieces.append(block)
                 small.clear()
+                yield block
 
         for rec in self.records:
             if rec.name == _ID_RECORD:
@@ -220,7 +239,7 @@ class TorchZipLayout:
                 data = buffers.pop(rec.name, None)
                 if data is None:
                     raise ValueError(f"the payload has no tensor for record {rec.name}")
-            size = len(data)
+            size = data.nbytes if isinstance(data, FileBytes) else len(data)
             if size >= _U32 or cursor >= _U32:
                 raise ValueError("a record beyond 4 GiB needs zip64 headers: left to torch.save")
             name = (self.prefix + rec.name).encode()
@@ -232,11 +251,16 @@ class TorchZipLayout:
                 rec_crc = zlib.crc32(data)
                 small.append(data)
             else:  # a tensor's bytes: CRC'd once (GIL released), written from where they are
-                flush()
-                rec_crc = crc32(data)
-                # Without a C crc32_combine (zlib only) a second pass beats Python's (~80 us).
-                whole = combine(whole, rec_crc, size) if combine else crc32(data, whole)
-                pieces.append(data)
+                yield from flush()
+                rec_crc = yield data
+                if rec_crc is None:
+                    raise ValueError(f"no CRC32 sent back for record {rec.name}")
+                if combine is not None:
+                    whole = combine(whole, rec_crc, size)
+                elif isinstance(data, FileBytes):  # not in memory: no second pass to be had
+                    whole = crc32_combine(whole, rec_crc, size)
+                else:  # without a C crc32_combine (zlib only) a second pass beats Python's (~80 us)
+                    whole = crc32(data, whole)
             small.append(_DESCRIPTOR.pack(0x08074B50, rec_crc, size, size))
             central.append(
                 _CENTRAL.pack(
@@ -258,9 +282,8 @@ class TorchZipLayout:
             _ZIP64_LOCATOR.pack(0x07064B50, 0, zip64_at, 1),
             _END.pack(0x06054B50, 0, 0, n, n, len(cd), cursor, 0),
         ]
-        flush()
-        size = zip64_at + _ZIP64_END.size + _ZIP64_LOCATOR.size + _END.size
-        return Encoded(pieces, size, whole)
+        yield from flush()
+        return zip64_at + _ZIP64_END.size + _ZIP64_LOCATOR.size + _END.size, whole
 
     def to_bytes(self, payload: dict[str, torch.Tensor]) -> bytes:
         return b"".join(bytes(p) for p in self.encode(payload).pieces)

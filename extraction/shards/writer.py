@@ -4,9 +4,9 @@ Protocol per sample: temp name in the shard's own directory -> write -> fsync ->
 then, for one shard (publish) or a batch (commit): fsync each directory -> append their lines to the
 index with one write (and fsync it). The bytes are torch.save's:
 laid out directly by `torchzip` (checked byte for byte against this host's torch.save at start; the
-tensors go to one writev from where they lie, the GIL released - or, a tensor that is a view of a
-mapped dump, by sendfile from the dump: extraction/mapped_file.py) or, where that check fails, by
-torch.save itself. The index's checksum is the CRC32 of the whole file (the same bytes `full`
+tensors go to one writev from where they lie, the GIL released - or, a state left in the server's
+dump files (extraction/shards/filebytes.py), copied from them through a small buffer while its
+CRC32 is taken) or, where that check fails, by torch.save itself. The index's checksum is the CRC32 of the whole file (the same bytes `full`
 verification checksums). A crash at any point leaves either no final file, or a complete fsynced
 one that the index may not list yet (the verifier reports it as unindexed). Temp names start with
 '.' and end in '.tmp', so nothing that looks for `.pt` files ever sees one.
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 import hsx.fsutil
-from extraction import mapped_file
 from extraction.shards import torchzip
+from extraction.shards.filebytes import FileBytes, in_memory
 from hsx.fsutil import LinkRefused, open_dir_nofollow, open_subdir, unlink_quiet
 from hsx.index import (
     IndexEntry,
@@ -148,9 +148,20 @@ def _is_disk_full(exc: BaseException | None) -> bool:
     return False
 
 
-def _on_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous CPU tensor of `dtype`: `t` itself (or a view) when it already is one."""
+def _on_cpu(t: torch.Tensor | FileBytes, dtype: torch.dtype) -> torch.Tensor | FileBytes:
+    """A contiguous CPU tensor of `dtype`: `t` itself (or a view) when it already is one; a
+    FileBytes (build_payload kept it: of `dtype`) as it is."""
+    if isinstance(t, FileBytes):
+        return t
     return t.detach().to(device="cpu", dtype=dtype).contiguous()
+
+
+_STREAM_RECORD_MAX = (1 << 32) - (1 << 24)  # a FileBytes this large or larger goes through memory
+
+
+def _batch_of_one(t: torch.Tensor | FileBytes) -> torch.Tensor | FileBytes:
+    """[L, W] -> [1, L, W]."""
+    return t.reshaped((1, *t.shape)) if isinstance(t, FileBytes) else t.unsqueeze(0)
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
@@ -161,28 +172,35 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write_pieces(f: Any, pieces: list[Any], wrapper: _WriteErrorFile, real_file: bool) -> None:
-    """Write every piece in order: on a real file, a piece that is a view of a mapped file (a
-    dump's tensor: extraction/mapped_file.py) by sendfile from that file, the rest by writev (one
-    call for a run of pieces, GIL released); else through the file object (a test's wrapper),
-    keeping the OSError a write raised."""
+    """Write every piece in order: on a real file by writev (one call for a run of pieces, GIL
+    released); else through the file object (a test's wrapper), keeping the OSError a write raised."""
     if not real_file:
         wrapper.f = f
         for piece in pieces:
             wrapper.write(piece)
         return
-    fd = f.fileno()
-    run: list[memoryview] = []
-    for piece in pieces:
-        view = memoryview(piece)
-        span = mapped_file.file_range(view)
-        if span is None:
-            run.append(view)
-            continue
+    writev_all(f.fileno(), [memoryview(piece) for piece in pieces], f.name)
+
+
+def _write_steps(f: Any, layout: torchzip.TorchZipLayout, payload: dict[str, Any]) -> tuple[int, int]:
+    """Write torch.save(payload)'s file as the layout's steps give it (a payload with FileBytes):
+    runs of pieces by writev, each FileBytes copied from its files while its CRC32 is taken (the
+    records after it need it); (size, CRC32 of the file)."""
+    fd, run, crc = f.fileno(), [], None
+    steps = layout.steps(payload)
+    try:
+        while True:
+            piece = steps.send(crc)
+            if isinstance(piece, FileBytes):
+                writev_all(fd, run, f.name)
+                run = []
+                crc = piece.copy_to(fd, layout.crc32)
+            else:
+                run.append(memoryview(piece))
+                crc = None if isinstance(piece, bytes) else layout.crc32(piece)
+    except StopIteration as stop:
         writev_all(fd, run, f.name)
-        run = []
-        sent = _sendfile_all(fd, *span, len(view))
-        writev_all(fd, [view[sent:]], f.name)  # what sendfile could not do (not supported here)
-    writev_all(fd, run, f.name)
+        return stop.value
 
 
 def writev_all(fd: int, views: list[Any], name: str = "") -> None:
@@ -200,24 +218,6 @@ def writev_all(fd: int, views: list[Any], name: str = "") -> None:
             else:
                 views[i] = views[i][n:]
                 n = 0
-
-
-def _sendfile_all(out_fd: int, in_fd: int, offset: int, count: int) -> int:
-    """Copy `count` bytes at `offset` of `in_fd` to `out_fd` in the kernel; the bytes copied,
-    fewer where sendfile into this file is not supported (the caller writes the rest). Other
-    errors (ENOSPC...) are raised."""
-    done = 0
-    while done < count:
-        try:
-            n = os.sendfile(out_fd, in_fd, offset + done, count - done)
-        except OSError as e:
-            if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
-                return done
-            raise
-        if n <= 0:  # the source is shorter than its mapping said: write the rest from memory
-            return done
-        done += n
-    return done
 
 
 class ShardWriter:
@@ -311,15 +311,20 @@ class ShardWriter:
         sample_id: str,
         input_ids: torch.Tensor,
         loss_mask: torch.Tensor,
-        hidden_state: torch.Tensor,
-        aux_hidden_state: torch.Tensor,
-    ) -> dict[str, torch.Tensor]:
-        """The SpecForge-compatible dict, checked against the run (ShardDataError if it does not fit)."""
+        hidden_state: torch.Tensor | FileBytes,
+        aux_hidden_state: torch.Tensor | FileBytes,
+    ) -> dict[str, Any]:
+        """The SpecForge-compatible dict, checked against the run (ShardDataError if it does not fit).
+        A state given as FileBytes stays one (copied into the shard as it is written) where the
+        shard is laid out by torchzip in the run's dtype; else it is read into memory here."""
         m = self.manifest
+        hidden_state, aux_hidden_state = (
+            t if self._stays_in_file(t) else in_memory(t) for t in (hidden_state, aux_hidden_state)
+        )
         if hidden_state.dim() == 2:
-            hidden_state = hidden_state.unsqueeze(0)
+            hidden_state = _batch_of_one(hidden_state)
         if aux_hidden_state.dim() == 2:
-            aux_hidden_state = aux_hidden_state.unsqueeze(0)
+            aux_hidden_state = _batch_of_one(aux_hidden_state)
         ids = input_ids.reshape(-1) if input_ids.dim() == 2 and input_ids.shape[0] == 1 else input_ids
         mask = loss_mask.reshape(-1) if loss_mask.dim() == 2 and loss_mask.shape[0] == 1 else loss_mask
         length = ids.shape[0] if ids.dim() == 1 else -1
@@ -339,7 +344,7 @@ class ShardWriter:
             raise ShardDataError(f"sample {sample_id!r}: tensor shapes {got} do not match the run {want}")
         if self.check_finite:
             for key, t in ((KEY_HIDDEN, hidden_state), (KEY_AUX, aux_hidden_state)):
-                if not bool(torch.isfinite(t).all()):
+                if not bool(torch.isfinite(in_memory(t)).all()):
                     raise ShardDataError(f"sample {sample_id!r}: {key} has NaN or Inf values")
         return {
             KEY_INPUT_IDS: _on_cpu(ids, torch.int64),
@@ -348,13 +353,23 @@ class ShardWriter:
             KEY_AUX: _on_cpu(aux_hidden_state, self._dtype),
         }
 
+    def _stays_in_file(self, t: torch.Tensor | FileBytes) -> bool:
+        """A FileBytes the shard can take as it is: torchzip lays the shard out, the dtype is the
+        run's, and the record needs no zip64 (torch.save writes those, from memory)."""
+        return (
+            isinstance(t, FileBytes)
+            and self._layout is not None
+            and t.dtype == self._dtype
+            and t.nbytes < _STREAM_RECORD_MAX
+        )
+
     def publish(
         self,
         sample_id: str,
         input_ids: torch.Tensor,
         loss_mask: torch.Tensor,
-        hidden_state: torch.Tensor,
-        aux_hidden_state: torch.Tensor,
+        hidden_state: torch.Tensor | FileBytes,
+        aux_hidden_state: torch.Tensor | FileBytes,
         num_tokens: int | None = None,
     ) -> IndexEntry:
         """Write one sample's shard atomically and record it in the index; returns its entry.
@@ -371,8 +386,8 @@ class ShardWriter:
         sample_id: str,
         input_ids: torch.Tensor,
         loss_mask: torch.Tensor,
-        hidden_state: torch.Tensor,
-        aux_hidden_state: torch.Tensor,
+        hidden_state: torch.Tensor | FileBytes,
+        aux_hidden_state: torch.Tensor | FileBytes,
         num_tokens: int | None = None,
     ) -> IndexEntry:
         """publish's first half: the shard complete and fsynced under its final name, not yet in
@@ -482,7 +497,7 @@ class ShardWriter:
             opener=lambda _p, flags: os.open(name, flags | _NOFOLLOW, 0o666, dir_fd=dir_fd),
         )
 
-    def _write_atomically(self, payload: dict[str, torch.Tensor], final: str) -> tuple[int, int]:
+    def _write_atomically(self, payload: dict[str, Any], final: str) -> tuple[int, int]:
         """temp -> write -> fsync -> rename (commit fsyncs the folder); (size, CRC32 of the file)."""
         directory, name = os.path.split(final)
         dir_fd = self._ensure_dir(directory)  # write() opened it: a dict lookup
@@ -490,17 +505,25 @@ class ShardWriter:
         tmp = os.path.join(directory, tmp_name)
         wrapper = _WriteErrorFile(None)  # keeps the OSError of a write through a file object
         try:
-            encoded = self._encode(payload)
+            streamed = any(isinstance(t, FileBytes) for t in payload.values())
+            encoded = None if streamed else self._encode(payload)
             with self._open_temp(tmp) as f:
-                if encoded is not None:
-                    _write_pieces(f, encoded.pieces, wrapper, _is_real_file(f, tmp))
+                if streamed and _is_real_file(f, tmp):
+                    size, crc = _write_steps(f, self._layout, payload)
                 else:
-                    wrapper.f = f
-                    torch.save({k: _owned(t) for k, t in payload.items()}, wrapper)
+                    if streamed:  # a test's wrapper file: the states read into memory first
+                        payload = {k: in_memory(t) for k, t in payload.items()}
+                        encoded = self._encode(payload)
+                    if encoded is not None:
+                        _write_pieces(f, encoded.pieces, wrapper, _is_real_file(f, tmp))
+                    else:
+                        wrapper.f = f
+                        torch.save({k: _owned(t) for k, t in payload.items()}, wrapper)
                 f.flush()
                 os.fsync(f.fileno())
-            # After torch.save the checksum is the CRC32 of the bytes on disk, read back (page cache).
-            size, crc = (encoded.size, encoded.crc) if encoded is not None else file_crc32(tmp_name, dir_fd)
+            if not streamed or encoded is not None:
+                # After torch.save the checksum is the CRC32 of the bytes on disk, read back (page cache).
+                size, crc = (encoded.size, encoded.crc) if encoded is not None else file_crc32(tmp_name, dir_fd)
             os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException as e:
             unlink_quiet(tmp_name, dir_fd=dir_fd)

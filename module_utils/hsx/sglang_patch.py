@@ -7,7 +7,8 @@ release; line numbers move, the text does not):
   state: hand the batch to the hook, which dumps prefill passes and returns the aux states the
   model should return (unchanged when EAGLE-3 owns capture, empty when the hook does).
 The import is guarded by find_spec, so a missing hook module leaves SGLang as it was. The hook is
-deployed as `sglang/hsx_dump_hook.py` (inside the package, so any install layout can import it).
+deployed as `sglang/hsx_dump_hook.py` (inside the package, so any install layout can import it),
+with the dump format it imports beside it, `sglang/hsx_dump_format.py`.
 
 NO IMPORTS: part of the stdlib-only core, shipped to Ansible hosts as ansible.module_utils.hsx.sglang_patch.
 """
@@ -17,6 +18,7 @@ PATCH_VERSION = "2"
 TARGET = "srt/models/deepseek_v2.py"  # relative to the sglang package directory
 HOOK_MODULE = "sglang.hsx_dump_hook"
 HOOK_FILENAME = "hsx_dump_hook.py"  # deployed next to sglang/__init__.py
+FORMAT_FILENAME = "hsx_dump_format.py"  # the dump file format the hook imports, deployed beside it
 
 SGLANG_DUMP_PATCH = {
     "id": PATCH_ID,

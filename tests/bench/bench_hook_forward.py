@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "module_utils"))
-from extraction.sglang import dumps, hook  # noqa: E402
+from extraction.sglang import dumps, hook, install  # noqa: E402
 from hsx import sglang_patch  # noqa: E402
 
 
@@ -65,7 +65,7 @@ def deploy_hook(site: Path, dump_dir: str, budget_mb: float, num_layers: int, la
     pkg = site / "sglang"
     pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text("")
-    shutil.copy(hook.__file__, pkg / sglang_patch.HOOK_FILENAME)
+    install.deploy_files(pkg)  # the hook and the dump format it imports
     sys.path.insert(0, str(site))
     os.environ.update(
         {hook.ENV_DIR: dump_dir, hook.ENV_LAYERS: ",".join(map(str, layer_ids)), hook.ENV_BUDGET: str(budget_mb)}

@@ -41,7 +41,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from extraction.sglang import dumps, hook  # noqa: E402
+from extraction.sglang import dumps, hook, hsx_dump_format, install  # noqa: E402
 from hsx import sglang_patch  # noqa: E402
 
 HIDDEN = 7168
@@ -59,7 +59,7 @@ def deployed_model(site: Path, dump_dir: str, budget_mb: float):
     pkg = site / "sglang"
     pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text("")
-    shutil.copy(hook.__file__, pkg / sglang_patch.HOOK_FILENAME)
+    install.deploy_files(pkg)  # the hook and the dump format it imports
     if str(site) not in sys.path:
         sys.path.insert(0, str(site))
     for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
@@ -164,7 +164,7 @@ def run_sync(passes, directory: str, args, device) -> dict:
         for rid, s, n, off in pieces:
             records.append(
                 {
-                    "format": hook.FORMAT,
+                    "format": hsx_dump_format.FORMAT,
                     "rid": rid,
                     "offset": off,
                     "seq_len": off + n,
@@ -180,7 +180,7 @@ def run_sync(passes, directory: str, args, device) -> dict:
             t0 = time.perf_counter()
         for record in records:
             rid, off, n = record["rid"], record["offset"], int(record["input_ids"].shape[0])
-            name = hook.dump_name(rid, off)
+            name = hsx_dump_format.dump_name(rid, off)
             tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
             torch.save(record, tmp)
             os.replace(tmp, os.path.join(directory, name))

@@ -21,6 +21,9 @@ import torch._dynamo  # noqa: F401, E402
 if TYPE_CHECKING:
     from hsx_run_helpers import SharedBackend
 
+# The dump hook's fixtures, shared by test_sglang_hook*.py (a module's own fixture of a name wins).
+from sglang_hook_helpers import attached, device, form, states  # noqa: E402, F401
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -123,15 +123,22 @@ def test_hsx_patch_status_apply_revert(site, capsys):
     rc, st = _status(capsys, pkg)
     assert rc == 0 and st["summary"] == "patched (v2)" and st["hook"] == "current"
     assert (pkg / sglang_patch.HOOK_FILENAME).read_bytes() == install.HOOK_SOURCE.read_bytes()
+    assert (pkg / sglang_patch.FORMAT_FILENAME).read_bytes() == install.FORMAT_SOURCE.read_bytes()
     assert hsx(["patch", "apply", "--sglang", str(site)]) == 0
     assert "no change" in capsys.readouterr().out
 
     (pkg / sglang_patch.HOOK_FILENAME).write_text("# stale\n")
     rc, st = _status(capsys, site)
-    assert rc == 1 and st["summary"] == "patched (v2), but the hook module is different"
+    assert rc == 1 and st["summary"] == "patched (v2), but the hook files are different (hsx_dump_hook.py)"
+    (pkg / sglang_patch.FORMAT_FILENAME).unlink()  # the format the hook imports, checked the same
+    rc, st = _status(capsys, site)
+    assert rc == 1 and st["hook"] == "missing (hsx_dump_format.py)"
+    assert hsx(["patch", "apply", "--sglang", str(site)]) == 0
+    assert _status(capsys, site)[1]["hook"] == "current"
 
     assert hsx(["patch", "revert", "--sglang", str(site), "--no-backup"]) == 0
-    assert target.read_bytes() == original and not (pkg / sglang_patch.HOOK_FILENAME).exists()
+    assert target.read_bytes() == original
+    assert not any((pkg / name).exists() for name in install.DEPLOYED)
     assert list(target.parent.glob("*.hsx-bak")) == []
 
 

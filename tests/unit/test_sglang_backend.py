@@ -22,6 +22,7 @@ import torch
 
 from extraction.backends.base import Sample
 from extraction.sglang import hook
+from extraction.shards.filebytes import in_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [1, 3, 4]
@@ -76,8 +77,8 @@ def test_sglang_states_equal_hf_states(server, model_dir):
         (want,) = hf.extract([s])
         assert g.sample_id == s.sample_id and torch.equal(g.input_ids, s.input_ids)
         assert g.hidden_state.dtype == torch.bfloat16
-        assert torch.equal(g.hidden_state, want.hidden_state)
-        assert torch.equal(g.aux_hidden_state, want.aux_hidden_state)
+        assert torch.equal(in_memory(g.hidden_state), want.hidden_state)
+        assert torch.equal(in_memory(g.aux_hidden_state), want.aux_hidden_state)
     assert list(Path(dump_dir).iterdir()) == []  # dumps are consumed
     info = backend.model_info()
     assert (info.hidden_size, info.num_layers, info.dtype) == (64, 8, "bfloat16")
@@ -255,8 +256,8 @@ def test_a_failed_piece_is_asked_again_at_once_with_a_new_rid_leaving_no_dump(se
     (got,) = backend.extract([sample])
     assert time.monotonic() - t0 < 4  # at once, not after the dump timeout
     (want,) = HFBackend(model_dir, LAYERS).extract([sample])
-    assert torch.equal(got.hidden_state, want.hidden_state)
-    assert torch.equal(got.aux_hidden_state, want.aux_hidden_state)
+    assert torch.equal(in_memory(got.hidden_state), want.hidden_state)
+    assert torch.equal(in_memory(got.aux_hidden_state), want.aux_hidden_state)
     assert len(rids) == 2 and hk.failed == 1
     assert list(Path(dump_dir).iterdir()) == []
     # a disk that fails every write: asked 1 + write_retries times, then the sample fails
@@ -380,8 +381,8 @@ def test_waits_close_their_inotify_instances_and_poll_without_inotify(server, mo
         got = backend.extract(batch)
         assert len(calls) >= len(batch)  # every wait asked for an instance, then polled
         for g, w in zip(got, want, strict=True):
-            assert torch.equal(g.hidden_state, w.hidden_state)
-            assert torch.equal(g.aux_hidden_state, w.aux_hidden_state)
+            assert torch.equal(in_memory(g.hidden_state), in_memory(w.hidden_state))
+            assert torch.equal(in_memory(g.aux_hidden_state), in_memory(w.aux_hidden_state))
     assert _open_fds("pipe:") == pipes  # the instances without a watch were closed
     backend.close()
     assert list(Path(dump_dir).iterdir()) == []

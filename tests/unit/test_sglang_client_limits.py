@@ -15,7 +15,7 @@ import torch
 
 from extraction.backends.base import Sample
 from extraction.backends.sglang import SGLangBackend, SGLangError
-from extraction.sglang import hook
+from extraction.sglang import hsx_dump_format
 
 DRIP_BYTES, DRIP_PAUSE = 40, 0.05  # a drip that stops by itself after ~2 s
 BIG = 64 << 10
@@ -123,13 +123,13 @@ def test_a_dump_directory_others_can_write_is_refused_at_start(server, tmp_path)
 def test_strays_in_the_dump_directory_are_skipped_and_named_once(server, tmp_path):
     _httpd, _handler, url = server
     other = "hsx-0000dead-s-1"
-    (tmp_path / hook.dump_name(other, 0)).mkdir()  # a directory named like another client's dump
-    (tmp_path / f".{hook.dump_name(other, 16)}.{'9' * 20}.tmp").write_bytes(b"")
+    (tmp_path / hsx_dump_format.dump_name(other, 0)).mkdir()  # a directory named like another client's dump
+    (tmp_path / f".{hsx_dump_format.dump_name(other, 16)}.{'9' * 20}.tmp").write_bytes(b"")
     said: list[str] = []
     backend = _backend(url, tmp_path, log=said.append)
     backend._sweep_stale(force=True)  # the sweep again, as it runs mid-run: not said twice
     backend.close()
     assert len(said) == 2, said
-    assert any(f"{tmp_path / hook.dump_name(other, 0)} (not a regular file)" in s for s in said)
+    assert any(f"{tmp_path / hsx_dump_format.dump_name(other, 0)} (not a regular file)" in s for s in said)
     assert any(f"pid {'9' * 20} is no process id" in s for s in said)
     assert all("left alone" in s for s in said)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_sglang_dump_format import RID, ROWS, H, _header  # one dump header for both files
 
-from extraction.sglang import dumps, hook
+from extraction.sglang import dumps, hook, hsx_dump_format
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,8 +26,8 @@ def _write(directory: Path, rows: int = ROWS, offset: int = 0, rid: str = RID) -
     ids = torch.randint(0, 100, (rows,), generator=g)
     hidden = torch.randn(rows, H, generator=g).to(torch.bfloat16)
     parts = [torch.randn(rows, H, generator=g).to(torch.bfloat16) for _ in range(3)]
-    path = directory / hook.dump_name(rid, offset)
-    hook.write_dump(str(path), _header(rid=rid, offset=offset, seq_len=offset + rows), (ids, hidden, parts))
+    path = directory / hsx_dump_format.dump_name(rid, offset)
+    hsx_dump_format.write_dump(str(path), _header(rid=rid, offset=offset, seq_len=offset + rows), (ids, hidden, parts))
     return path
 
 
@@ -47,15 +47,15 @@ def _no_wait(monkeypatch) -> None:
 def test_a_marker_that_is_a_link_is_refused_without_reading_its_target(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("root:x:0:0 the target's text\n")
-    (tmp_path / hook.failed_name(RID, 0)).symlink_to(secret)
+    (tmp_path / hsx_dump_format.failed_name(RID, 0)).symlink_to(secret)
     with pytest.raises(dumps.DumpError) as e:
         dumps.read_request(str(tmp_path), RID, expected_len=ROWS)
     assert "the target's text" not in str(e.value) and not isinstance(e.value, dumps.DumpWriteFailed)
-    assert f"{tmp_path / hook.failed_name(RID, 0)}: " in str(e.value) and "symbolic link" in str(e.value)
+    assert f"{tmp_path / hsx_dump_format.failed_name(RID, 0)}: " in str(e.value) and "symbolic link" in str(e.value)
 
 
 def test_a_marker_that_is_a_fifo_does_not_hang_and_a_big_one_is_read_bounded(tmp_path):
-    marker = tmp_path / hook.failed_name(RID, 0)
+    marker = tmp_path / hsx_dump_format.failed_name(RID, 0)
     os.mkfifo(marker)
     caught: list[BaseException] = []
 
@@ -104,9 +104,9 @@ def test_a_missing_piece_is_still_waited_for(tmp_path, monkeypatch):
 
 def _rewrite_header(path: Path, text: bytes) -> None:
     raw = path.read_bytes()
-    start = json.loads(raw[16 : 16 + hook.DUMP_HEAD.unpack_from(raw)[1]])["tensors"]["input_ids"]["at"]
+    start = json.loads(raw[16 : 16 + hsx_dump_format.DUMP_HEAD.unpack_from(raw)[1]])["tensors"]["input_ids"]["at"]
     assert len(text) + 16 <= start
-    path.write_bytes(hook.DUMP_HEAD.pack(hook.DUMP_MAGIC, len(text)) + text + raw[16 + len(text) :])
+    path.write_bytes(hsx_dump_format.DUMP_HEAD.pack(hsx_dump_format.DUMP_MAGIC, len(text)) + text + raw[16 + len(text) :])
 
 
 def test_a_deeply_nested_header_is_a_dump_error(tmp_path):
@@ -118,7 +118,7 @@ def test_a_deeply_nested_header_is_a_dump_error(tmp_path):
 
 def _v1(directory: Path, **fields) -> Path:
     record = {
-        "format": hook.FORMAT_V1,
+        "format": hsx_dump_format.FORMAT_V1,
         "rid": RID,
         "offset": 0,
         "seq_len": 3,
@@ -131,7 +131,7 @@ def _v1(directory: Path, **fields) -> Path:
     }
     record.update(fields)
     record = {k: v for k, v in record.items() if v is not None}
-    path = directory / hook.dump_name(RID, 0)
+    path = directory / hsx_dump_format.dump_name(RID, 0)
     torch.save(record, path)
     return path
 
@@ -197,16 +197,16 @@ def test_a_dump_that_shrinks_or_cannot_be_read_is_a_dump_error(tmp_path, monkeyp
 def test_strays_named_like_stale_files_are_skipped_and_named(tmp_path):
     other = "hsx-0000dead-s-1"
     stale = _write(tmp_path, rid=other)
-    (tmp_path / hook.dump_name(other, 16)).mkdir()  # a directory named like a dump
-    huge_pid = tmp_path / f".{hook.dump_name(other, 32)}.{'9' * 20}.tmp"
+    (tmp_path / hsx_dump_format.dump_name(other, 16)).mkdir()  # a directory named like a dump
+    huge_pid = tmp_path / f".{hsx_dump_format.dump_name(other, 32)}.{'9' * 20}.tmp"
     huge_pid.write_bytes(b"")
     strays: list[str] = []
     assert dumps.stale_names(str(tmp_path), "hsx-abcd0123-", strays) == [stale.name]
     assert sorted(strays) == sorted(
         [
-            f"{hook.dump_name(other, 16)} (not a regular file)",
+            f"{hsx_dump_format.dump_name(other, 16)} (not a regular file)",
             f"{huge_pid.name} (pid {'9' * 20} is no process id)",
         ]
     )
     assert dumps.remove_request(str(tmp_path), other) == 1  # the directory is left, not fatal
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([hook.dump_name(other, 16), huge_pid.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([hsx_dump_format.dump_name(other, 16), huge_pid.name])

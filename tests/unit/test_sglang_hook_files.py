@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from extraction.sglang import hook
+from extraction.sglang import hook, hsx_dump_format
 
 RID = "hsx-abcd0123-s_000-0"
 
@@ -33,7 +33,7 @@ def _piece() -> hook._Piece:
 
 
 def _marker_temp(directory) -> str:
-    return os.path.join(directory, f".{hook.failed_name(RID, 0)}.{os.getpid()}.tmp")
+    return os.path.join(directory, f".{hsx_dump_format.failed_name(RID, 0)}.{os.getpid()}.tmp")
 
 
 def test_a_marker_is_never_written_through_a_planted_link(tmp_path):
@@ -45,11 +45,11 @@ def test_a_marker_is_never_written_through_a_planted_link(tmp_path):
     hk._failed(_piece(), OSError(28, "No space left on device"))
     assert outside.read_text() == "precious\n"
     assert os.path.islink(_marker_temp(dumps))  # not ours: left alone, and no marker from it
-    assert not (dumps / hook.failed_name(RID, 0)).exists()
+    assert not (dumps / hsx_dump_format.failed_name(RID, 0)).exists()
     os.unlink(_marker_temp(dumps))
-    os.symlink(outside, dumps / hook.failed_name(RID, 0))  # a link at the final name: replaced
+    os.symlink(outside, dumps / hsx_dump_format.failed_name(RID, 0))  # a link at the final name: replaced
     hk._failed(_piece(), OSError(28, "No space left on device"))
-    marker = dumps / hook.failed_name(RID, 0)
+    marker = dumps / hsx_dump_format.failed_name(RID, 0)
     assert outside.read_text() == "precious\n"
     assert stat.S_ISREG(marker.lstat().st_mode) and "No space left on device" in marker.read_text()
     assert stat.S_IMODE(marker.stat().st_mode) & ~hook.MARKER_MODE == 0  # nobody else writes it
@@ -72,13 +72,13 @@ def test_a_fifo_at_the_marker_temp_does_not_hang_the_writer(tmp_path):
             os.close(os.open(_marker_temp(tmp_path), os.O_RDONLY | os.O_NONBLOCK))
             done.wait(5)
     assert stat.S_ISFIFO(os.lstat(_marker_temp(tmp_path)).st_mode)
-    assert not (tmp_path / hook.failed_name(RID, 0)).exists()
+    assert not (tmp_path / hsx_dump_format.failed_name(RID, 0)).exists()
 
 
 def test_a_rid_with_a_trailing_newline_is_not_file_safe():
-    assert hook.rid_stem("abc-1") == "abc-1"
-    assert hook.rid_stem("abc-1\n").startswith("rid-")
-    assert "\n" not in hook.dump_name("abc-1\n", 0)
+    assert hsx_dump_format.rid_stem("abc-1") == "abc-1"
+    assert hsx_dump_format.rid_stem("abc-1\n").startswith("rid-")
+    assert "\n" not in hsx_dump_format.dump_name("abc-1\n", 0)
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o772], ids=oct)
@@ -103,13 +103,13 @@ def test_the_owners_or_our_group_may_write_the_dump_directory(tmp_path):
     own = tmp_path / "own"
     own.mkdir()
     os.chmod(own, 0o770)  # group: ours (the test's egid)
-    assert hook.dump_dir_problem(str(own)) is None
+    assert hsx_dump_format.dump_dir_problem(str(own)) is None
     os.chmod(own, 0o750)
     if os.geteuid() == 0:
         os.chown(own, -1, 12345)
-    assert hook.dump_dir_problem(str(own)) is None  # group may read, not write
+    assert hsx_dump_format.dump_dir_problem(str(own)) is None  # group may read, not write
     (tmp_path / "file").write_text("")
     assert (
-        hook.dump_dir_problem(str(tmp_path / "file"))
+        hsx_dump_format.dump_dir_problem(str(tmp_path / "file"))
         == f"dump directory {tmp_path / 'file'} is not a directory"
     )

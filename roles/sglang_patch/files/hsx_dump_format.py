@@ -1,0 +1,1 @@
+../../../extraction/sglang/hsx_dump_format.py
