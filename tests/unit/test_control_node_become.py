@@ -199,7 +199,7 @@ def test_the_lab_inventory_puts_its_hosts_in_the_target_group(tmp_path: Path, mo
     lab = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "lab", lab)  # dataclasses look their module up by name
     spec.loader.exec_module(lab)
-    monkeypatch.setattr(lab, "running_hosts", lambda: [lab.Host.make(1, "rw", "512M")])
+    monkeypatch.setattr(lab, "lab_hosts", lambda: [lab.Host.make(1, "rw", "512M")])
     data = lab.inventory_data()
     script = tmp_path / "lab_hosts.py"
     script.write_text(f"#!{sys.executable}\nprint({json.dumps(json.dumps(data))})\n")

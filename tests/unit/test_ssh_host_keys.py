@@ -52,7 +52,7 @@ def test_no_inventory_file_turns_checking_off():
 
 
 def _running_host(tmp_path, monkeypatch, index: int = 1, keys: tuple[str, ...] = (ED25519,)):
-    """A lab host as inventory_data() sees a running one: its merged root fs holds its host keys."""
+    """A lab host as inventory_data() sees one: its merged root fs holds its host keys."""
     monkeypatch.setattr(lab, "STATE", tmp_path)
     host = lab.Host.make(index, "rw", "512M")
     ssh = host.dir / "merged" / "etc" / "ssh"
@@ -65,7 +65,7 @@ def _running_host(tmp_path, monkeypatch, index: int = 1, keys: tuple[str, ...] =
 
 def test_lab_pins_its_hosts_keys_in_the_lab_group_only(tmp_path, monkeypatch):
     hosts = [_running_host(tmp_path, monkeypatch, 1, (ED25519, ECDSA)), _running_host(tmp_path, monkeypatch, 2)]
-    monkeypatch.setattr(lab, "running_hosts", lambda: hosts)
+    monkeypatch.setattr(lab, "lab_hosts", lambda: hosts)
     data = lab.inventory_data()
     # no `all` vars: nothing reaches hosts of another inventory; the plays' target group holds the lab
     assert set(data) == {"lab", "extraction_nodes", "_meta"}
@@ -86,12 +86,12 @@ def test_lab_pins_its_hosts_keys_in_the_lab_group_only(tmp_path, monkeypatch):
     assert not any(o in " ".join(base) for o in OFF)
 
 
-def test_known_hosts_follows_the_hosts_that_run(tmp_path, monkeypatch):
+def test_known_hosts_follows_the_labs_hosts(tmp_path, monkeypatch):
     first = _running_host(tmp_path, monkeypatch, 1)
-    monkeypatch.setattr(lab, "running_hosts", lambda: [first])
+    monkeypatch.setattr(lab, "lab_hosts", lambda: [first])
     args = lab.inventory_data()["lab"]["vars"]["ansible_ssh_common_args"]
     known = Path(re.search(r"UserKnownHostsFile=(\S+)", args).group(1))
     assert known.read_text() == f"{first.address} {ED25519}\n"
-    monkeypatch.setattr(lab, "running_hosts", lambda: [])
+    monkeypatch.setattr(lab, "lab_hosts", lambda: [])
     lab.inventory_data()
     assert known.read_text() == ""
