@@ -57,7 +57,7 @@ def test_each_host_gets_its_buckets_and_the_fleet_runs_every_bucket_once(tmp_pat
     before = (tmp_path / "fleet" / "assignment.json").read_bytes()
     proc = play(tmp_path, [*hosts, "n4"])
     assert proc.returncode != 0 and "host(s) n4 are not in the assignment" in proc.stdout
-    assert "rebalance, not done automatically yet" in proc.stdout
+    assert "-e hsx_rebalance=true" in proc.stdout
     assert (tmp_path / "fleet" / "assignment.json").read_bytes() == before
 
 
