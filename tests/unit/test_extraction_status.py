@@ -114,3 +114,28 @@ def test_a_malformed_status_is_a_verdict_with_the_reason(tmp_path):
     r = extraction_status.ExtractionStatus(str(tmp_path), 60).read()
     assert r["done"] == 2 and r["state"] == "none"
     assert "no readable status.json" in r["message"] and "not a JSON object" in r["message"]
+
+
+def test_per_bucket_counts_and_finished_buckets_come_from_the_node_never_guessed(tmp_path):
+    from hsx.bucketcount import count_totals, write_bucket_totals
+    from hsx.buckets import bucket_of, format_ranges
+
+    plant(tmp_path, 6, status(done=6))
+    (tmp_path / "run.json").write_text('{"buckets": 4}')
+    ids = [f"s{i}" for i in range(10)]  # the dataset; the index holds s0..s5
+    st = extraction_status.ExtractionStatus(str(tmp_path), progress_window=60)
+    st.read()
+    before = st.read_buckets()
+    done = {}
+    for i in ids[:6]:
+        done[str(bucket_of(i, 4))] = done.get(str(bucket_of(i, 4)), 0) + 1
+    assert before["bucket_count"] == 4 and before["bucket_done"] == dict(sorted(done.items()))
+    assert before["bucket_totals"] is None and before["finished_buckets"] == ""  # no totals: nothing finished
+    totals = count_totals(ids, 4)
+    write_bucket_totals(str(tmp_path), 4, "0-3", totals)
+    after = st.read_buckets()
+    finished = [b for b in range(4) if done.get(str(b), 0) >= totals[b]]
+    assert after["bucket_totals"] == totals and after["assign"] == "0-3"
+    assert after["finished_buckets"] == format_ranges(finished)
+    (tmp_path / "run.json").write_text("{}")  # a run made before buckets
+    assert st.read_buckets()["bucket_count"] is None
