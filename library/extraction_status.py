@@ -186,8 +186,8 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.hsx.bucketcount import done_per_bucket, finished_buckets, read_bucket_totals
 from ansible.module_utils.hsx.buckets import format_ranges
 from ansible.module_utils.hsx.index import read_index
-from ansible.module_utils.hsx.manifest import ManifestError, read_manifest_dict
 from ansible.module_utils.hsx.layout import MANIFEST_NAME
+from ansible.module_utils.hsx.manifest import ManifestError, read_manifest_dict
 from ansible.module_utils.hsx.status import pid_alive, read_status
 
 ARGUMENT_SPEC = dict(

@@ -126,7 +126,13 @@ from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.hsx.assignfile import AssignmentFileError, read_assignment, write_assignment
-from ansible.module_utils.hsx.buckets import AssignError, derive_assignment, format_ranges, host_changes, parse_assign
+from ansible.module_utils.hsx.buckets import (
+    AssignError,
+    derive_assignment,
+    format_ranges,
+    host_changes,
+    parse_assign,
+)
 from ansible.module_utils.hsx.fleetplan import plan_rebalance, plan_takeover
 
 

@@ -18,8 +18,8 @@ from extraction.config import ConfigError
 from extraction.dataset import scan_dataset
 from extraction.runner import resume as resume_mod
 from extraction.runner.plan import assigned_to
-from hsx.bucketcount import count_totals, read_bucket_totals
 from extraction.tiny import write_tiny_dataset
+from hsx.bucketcount import count_totals, read_bucket_totals
 from hsx.buckets import bucket_of
 from hsx.exitcodes import EXIT_OK, EXIT_USAGE
 from hsx.index import load_index
