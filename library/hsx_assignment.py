@@ -66,6 +66,12 @@ options:
         description: With O(rebalance), the buckets (a range list) with any sample done on any node.
         type: str
         default: ""
+    answered:
+        description:
+            - With O(rebalance), the hosts whose outputs were read for O(started). Every host of the file that is not
+              retired must be among them, or the task fails (an unread host's buckets cannot be called unstarted).
+        type: list
+        elements: str
     create:
         description:
             - Whether a missing file may be made. The role passes false when the play runs with C(--limit), since
@@ -149,7 +155,7 @@ def _spec_set(spec: str, buckets: int, what: str) -> set[int]:
 
 def resolve(
     path: str, hosts: list[str], buckets: int, check_mode: bool, create: bool = True, rebalance: bool = False,
-    started: str = "",
+    started: str = "", answered: list[str] | None = None,
 ) -> tuple[dict[str, Any], bool, list[str], dict[str, str]]:
     """(assignment, changed, warnings, moved): the file's assignment, made from `hosts` when there is
     none (AssignmentFileError then unless `create`); new hosts added by a rebalance when asked."""
@@ -177,7 +183,14 @@ def resolve(
             "before any node has started, move the file aside to derive a new one"
         )
     new, gone = host_changes(recorded["hosts"], hosts)
+    gone = [h for h in gone if h not in recorded["retired"]]  # a retired host owns nothing to run
     if new and rebalance:
+        unread = sorted(set(recorded["hosts"]) - set(recorded["retired"]) - set(answered if answered is not None else hosts))
+        if unread:
+            raise AssignmentFileError(
+                f"{path}: cannot rebalance: host(s) {', '.join(unread)} did not answer, so which of their buckets "
+                "have started is unknown; bring them back (or take them over: hsx takeover HOST) first"
+            )
         try:
             changed_to, gets = plan_rebalance(recorded, new, _spec_set(started, buckets, "started"), _now())
         except AssignError as e:
@@ -232,6 +245,7 @@ def main() -> None:
             "finished": {"type": "str", "default": ""},
             "rebalance": {"type": "bool", "default": False},
             "started": {"type": "str", "default": ""},
+            "answered": {"type": "list", "elements": "str"},
         },
         supports_check_mode=True,
     )
@@ -243,7 +257,8 @@ def main() -> None:
             assignment, changed, moved = takeover(path, p["takeover"], p["finished"], p["live_hosts"], module.check_mode)
         else:
             assignment, changed, warnings, moved = resolve(
-                path, list(p["hosts"]), p["buckets"], module.check_mode, p["create"], p["rebalance"], p["started"]
+                path, list(p["hosts"]), p["buckets"], module.check_mode, p["create"], p["rebalance"], p["started"],
+                p["answered"],
             )
     except AssignmentFileError as e:
         module.fail_json(msg=str(e), path=path)

@@ -133,3 +133,5 @@ def test_a_rebalance_moves_only_unstarted_buckets_to_the_new_host(capsys, tmp_pa
     assert r["assignment"] == {"n1": "0-2", "n2": "4-7", "n3": "3"} and r["epoch"] == 1
     again = run_module(capsys, **args)
     assert not again["changed"] and again["assignment"] == r["assignment"]
+    r = run_module(capsys, **{**args, "hosts": ["n1", "n2", "n3", "n4"], "answered": ["n1", "n3", "n4"]})
+    assert r["failed"] and "host(s) n2 did not answer" in r["msg"]
