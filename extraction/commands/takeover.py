@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 
-from extraction.fleet.playbook import add_playbook_arguments, run_playbook
+from extraction.fleet.playbook import REPORTS, add_playbook_arguments, run_playbook
+
+PLAN_TASK = "The plan"  # roles/extraction_job/tasks/takeover.yml's task that says what moves
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,6 +26,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def plan_message(artifact_dir: Path) -> str | None:
+    """The plan the playbook printed (its PLAN_TASK's msg), from the run's recorded events."""
+    for path in sorted((artifact_dir / "job_events").glob("*.json")):
+        try:
+            event = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        data = event.get("event_data") or {}
+        if event.get("event") == "runner_on_ok" and str(data.get("task", "")).endswith(PLAN_TASK):
+            msg = (data.get("res") or {}).get("msg")
+            return " ".join(str(msg).split()) if msg else None
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     args.extra_vars = [*(args.extra_vars or []), json.dumps({"hsx_takeover_host": args.host})]
-    return run_playbook(args, "takeover.yml", "takeover")
+    code = run_playbook(args, "takeover.yml", "takeover")
+    artifacts = (args.report_dir or REPORTS).resolve() / ".runner" / "artifacts"
+    runs = sorted(artifacts.glob(f"*-takeover-{os.getpid()}"))  # this process's run (run_playbook's ident)
+    plan = plan_message(runs[-1]) if runs else None
+    if plan:
+        print(f"\nPlan: {plan}")
+    return code

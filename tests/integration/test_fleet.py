@@ -24,7 +24,7 @@ from extraction.dataset import scan_dataset
 from hsx.buckets import bucket_of, parse_assign
 from hsx.index import decode_index_line
 
-SIZE, BUCKETS = 384, 64
+SIZE, BUCKETS = 192, 64
 HOSTS = [host(i) for i in (1, 2, 3)]
 DEAD = HOSTS[2]
 OUTPUT = "/data/hsx/output"
@@ -87,6 +87,7 @@ def test_three_hosts_split_one_dataset_and_finish_it_without_a_dead_one(fleet):
     report = ["--report-dir", str(work / "reports"), *extra]
     check = hsx("takeover", DEAD, "--check", *report)
     assert check.returncode == 0, check.stdout[-3000:]
+    assert f"Plan: Would move {DEAD}'s unfinished buckets: {HOSTS[0]} takes " in check.stdout, check.stdout[-2000:]
     assert json.loads(assignment_file.read_text()) == first, "--check must write nothing"
 
     t0 = time.monotonic()
