@@ -3,6 +3,8 @@ each host's extraction_status (buckets=true) reads on its own disk and the assig
 
 from __future__ import annotations
 
+from promtool import promtool
+
 from extraction.commands.fleet_status import exit_code
 from extraction.fleet.fleetbuckets import fleet_view, prometheus_text, render_view
 from extraction.fleet.fleetstatus import HostStatus
@@ -46,6 +48,8 @@ def test_a_takeover_mid_run_then_complete_counts_duplicates_and_nothing_missing(
     prom = prometheus_text(v)
     assert 'hsx_fleet_samples{kind="done_twice"} 3' in prom and "hsx_fleet_complete 1" in prom
     assert 'hsx_fleet_buckets{host="a",state="done"} 3' in prom
+    checked = promtool("check", "metrics", stdin=prom.encode())
+    assert checked.returncode == 0 and not checked.stdout.strip() and not checked.stderr.strip(), checked
 
 
 def test_a_bucket_shared_mid_run_counts_missing_at_most_never_less() -> None:
