@@ -48,6 +48,14 @@ options:
       - A C(done) count read earlier (for example before a restart). When given, C(making_progress)
         also requires C(done >= baseline_done + min_done_increase).
     type: int
+  buckets:
+    description:
+      - Also read the run's buckets (issue 39) - the bucket count from C(run.json), the samples of each
+        bucket from C(buckets.json) (written by the job), each bucket's done count from the index - and
+        return C(bucket_count), C(bucket_done), C(bucket_totals), C(assign) and C(finished_buckets).
+        Costs a hash of every indexed id.
+    type: bool
+    default: false
 extends_documentation_fragment:
   - hsx.recovery.attributes
 attributes:
@@ -146,6 +154,27 @@ index_bad_lines:
   description: Damaged index lines (not counting a torn last line).
   type: int
   returned: always
+bucket_count:
+  description: The run's bucket count (run.json), or null for a run without buckets or none yet.
+  type: int
+  returned: when I(buckets)
+bucket_done:
+  description: Bucket number (a string) -> samples of it in the index; buckets with none are left out.
+  type: dict
+  returned: when I(buckets)
+bucket_totals:
+  description: Samples in each bucket of the whole dataset (buckets.json), or null when the job has not written it.
+  type: list
+  elements: int
+  returned: when I(buckets)
+assign:
+  description: The buckets the job last ran with (its --assign, from buckets.json), or null.
+  type: str
+  returned: when I(buckets)
+finished_buckets:
+  description: Buckets whose samples are all in the index (a range list; '' when none or the totals are unknown).
+  type: str
+  returned: when I(buckets)
 """
 
 import datetime
@@ -155,8 +184,11 @@ import time
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.hsx.bucketcount import done_per_bucket, finished_buckets, read_bucket_totals
+from ansible.module_utils.hsx.buckets import format_ranges
 from ansible.module_utils.hsx.index import read_index
 from ansible.module_utils.hsx.layout import MANIFEST_NAME
+from ansible.module_utils.hsx.manifest import ManifestError, read_manifest_dict
 from ansible.module_utils.hsx.status import pid_alive, read_status
 
 ARGUMENT_SPEC = dict(
@@ -164,6 +196,7 @@ ARGUMENT_SPEC = dict(
     progress_window=dict(type="int", default=120),
     min_done_increase=dict(type="int", default=1),
     baseline_done=dict(type="int"),
+    buckets=dict(type="bool", default=False),
 )
 
 
@@ -201,6 +234,7 @@ class ExtractionStatus:
         self.baseline_done = baseline_done
         self.min_done_increase = min_done_increase
         self.now = now if now is not None else time.time()
+        self.index_ids: list[str] = []  # the indexed sample ids, once read() has read the index
 
     def read(self) -> dict[str, Any]:
         result: dict[str, Any] = {
@@ -219,6 +253,7 @@ class ExtractionStatus:
         except OSError as e:  # a link or a FIFO at index.jsonl (never followed nor waited on), a read error
             result["message"] = f"unreadable index: {e}"
             return result
+        self.index_ids = list(index.entries)
         result["done"] = len(index.entries)
         result["index_bad_lines"] = index.bad_lines
         result["bytes_done"] = sum(e.size for e in index.entries.values())
@@ -249,6 +284,25 @@ class ExtractionStatus:
         result["making_progress"] = self._making_progress(result)
         return result
 
+    def read_buckets(self) -> dict[str, Any]:
+        """The per-bucket keys (module option `buckets`) from run.json, buckets.json and the index
+        `read` loaded; nothing is counted finished without the job's own totals."""
+        out: dict[str, Any] = {"bucket_count": None, "bucket_done": {}, "bucket_totals": None, "assign": None,
+                               "finished_buckets": ""}
+        try:
+            count = read_manifest_dict(self.output_dir).get("buckets")
+        except ManifestError:
+            return out
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            return out
+        done = done_per_bucket(self.index_ids, count)
+        out.update(bucket_count=count, bucket_done={str(b): n for b, n in sorted(done.items())})
+        recorded = read_bucket_totals(self.output_dir)
+        if recorded is not None and recorded["buckets"] == count:
+            out.update(bucket_totals=recorded["totals"], assign=recorded["assign"],
+                       finished_buckets=format_ranges(finished_buckets(done, recorded["totals"])))
+        return out
+
     def _making_progress(self, r: dict[str, Any]) -> bool:
         if r["state"] != "running" or r["pid_alive"] is False:
             return False
@@ -268,7 +322,10 @@ class ExtractionStatusModule:
     def run(self) -> dict[str, Any]:
         p = self.params
         status = ExtractionStatus(p["path"], p["progress_window"], p["baseline_done"], p["min_done_increase"])
-        return dict(status.read(), changed=False)
+        result = status.read()
+        if p.get("buckets"):
+            result.update(status.read_buckets())
+        return dict(result, changed=False)
 
 
 def main() -> None:

@@ -18,6 +18,11 @@ description:
       host) and returned as it is; it is never derived again. A host of O(hosts) it does not name fails the task
       (it would run nothing; adding hosts is a rebalance, a later item of issue 39); a host it names that is not in
       O(hosts) is a warning (its buckets stay its own).
+    - With O(takeover) a host's unfinished buckets move to O(live_hosts) (module_utils C(hsx.fleetplan)); it keeps
+      only those O(finished) names, is recorded in C(retired), C(epoch) grows and C(history) says what moved
+      where. A second takeover of the same host changes nothing.
+    - With O(rebalance) hosts of O(hosts) the file does not name are added, taking only buckets no node has
+      started (not in O(started)); without it such a host fails the task, so an inventory typo never moves work.
     - Runs on the control node (C(delegate_to=localhost), C(run_once), C(become=false)). Check mode writes
       nothing and returns the assignment that would be written.
 version_added: "0.1.0"
@@ -39,6 +44,34 @@ options:
         description: The bucket count of a new assignment; an existing file with another count fails the task.
         type: int
         default: 1024
+    takeover:
+        description: The host whose unfinished buckets move to O(live_hosts) (playbooks/takeover.yml).
+        type: str
+    live_hosts:
+        description: With O(takeover), the hosts that take its buckets (reachable, not retired).
+        type: list
+        elements: str
+        default: []
+    finished:
+        description:
+            - With O(takeover), the buckets (a range list, V('') for none) read finished on that host from its own
+              output; a host that could not be reached finished nothing.
+        type: str
+        default: ""
+    rebalance:
+        description: Add the hosts of O(hosts) the file does not name, moving to them only unstarted buckets.
+        type: bool
+        default: false
+    started:
+        description: With O(rebalance), the buckets (a range list) with any sample done on any node.
+        type: str
+        default: ""
+    answered:
+        description:
+            - With O(rebalance), the hosts whose outputs were read for O(started). Every host of the file that is not
+              retired must be among them, or the task fails (an unread host's buckets cannot be called unstarted).
+        type: list
+        elements: str
     create:
         description:
             - Whether a missing file may be made. The role passes false when the play runs with C(--limit), since
@@ -87,60 +120,53 @@ gone_hosts:
     description: Hosts the file names that are not in O(hosts).
     type: list
     returned: success
+epoch:
+    description: How many takeovers and rebalances the assignment has been through.
+    type: int
+    returned: success
+retired:
+    description: Hosts taken over (they run nothing they no longer own).
+    type: list
+    returned: success
+moved:
+    description: With O(takeover) or O(rebalance), host -> the buckets it gets (a range list); empty when nothing moved.
+    type: dict
+    returned: success
 """
 
 import datetime
-import json
 import os
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.hsx.buckets import AssignError, check_assignment, derive_assignment, host_changes
-from ansible.module_utils.hsx.fsutil import LinkRefused, atomic_write_bytes, read_nofollow
+from ansible.module_utils.hsx.assignfile import AssignmentFileError, read_assignment, write_assignment
+from ansible.module_utils.hsx.buckets import (
+    AssignError,
+    derive_assignment,
+    format_ranges,
+    host_changes,
+    parse_assign,
+)
+from ansible.module_utils.hsx.fleetplan import plan_rebalance, plan_takeover
 
-MAX_FILE_BYTES = 4 << 20  # a thousand hosts' ranges are a few KiB
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-class AssignmentFileError(Exception):
-    """The file cannot be read, written or believed; the message names it and says what to do."""
-
-
-def read_assignment(path: str) -> dict[str, Any] | None:
-    """The file's {buckets, created, hosts}, checked; None when there is none."""
-    aside = "fix it, or move it aside to derive a new assignment (only before any node has started: it reassigns buckets)"
+def _spec_set(spec: str, buckets: int, what: str) -> set[int]:
     try:
-        raw = read_nofollow(path, MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        return None
-    except LinkRefused as e:
-        raise AssignmentFileError(f"{e}; put the assignment file itself there") from None
-    except OSError as e:
-        raise AssignmentFileError(f"{path}: cannot read the assignment: {e.strerror or e}") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise AssignmentFileError(f"{path}: over {MAX_FILE_BYTES} bytes, not an assignment this module wrote; {aside}")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise AssignmentFileError(f"{path}: not valid JSON ({e}); {aside}") from None
-    hosts = data.get("hosts") if isinstance(data, dict) else None
-    if not isinstance(hosts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in hosts.items()):
-        raise AssignmentFileError(f"{path}: not an assignment (an object with 'hosts': host -> ranges); {aside}")
-    try:
-        check_assignment(hosts, data.get("buckets"), path)
+        return set(parse_assign(spec, buckets)) if spec.strip() else set()
     except AssignError as e:
-        raise AssignmentFileError(f"{e}; {aside}") from None
-    return {"buckets": data["buckets"], "created": str(data.get("created", "?")), "hosts": hosts}
-
-
-def encode(assignment: dict[str, Any]) -> bytes:
-    return (json.dumps(assignment, indent=2) + "\n").encode("utf-8")
+        raise AssignmentFileError(f"{what}: {e}") from None
 
 
 def resolve(
-    path: str, hosts: list[str], buckets: int, check_mode: bool, create: bool = True
-) -> tuple[dict[str, Any], bool, list[str]]:
-    """(assignment, changed, warnings): the file's assignment, made from `hosts` when there is none
-    (AssignmentFileError then unless `create`)."""
+    path: str, hosts: list[str], buckets: int, check_mode: bool, create: bool = True, rebalance: bool = False,
+    started: str = "", answered: list[str] | None = None,
+) -> tuple[dict[str, Any], bool, list[str], dict[str, str]]:
+    """(assignment, changed, warnings, moved): the file's assignment, made from `hosts` when there is
+    none (AssignmentFileError then unless `create`); new hosts added by a rebalance when asked."""
     recorded = read_assignment(path)
     if recorded is None and not create:
         raise AssignmentFileError(
@@ -154,15 +180,10 @@ def resolve(
             made = derive_assignment(hosts, buckets)
         except AssignError as e:
             raise AssignmentFileError(f"cannot derive the assignment for {path}: {e}") from None
-        now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        assignment = {"buckets": buckets, "created": now, "hosts": made}
+        assignment = {"buckets": buckets, "created": _now(), "epoch": 0, "hosts": made, "retired": [], "history": []}
         if not check_mode:
-            try:
-                os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-                atomic_write_bytes(path, encode(assignment))
-            except OSError as e:
-                raise AssignmentFileError(f"{path}: cannot write the assignment: {e.strerror or e}") from None
-        return assignment, True, []
+            write_assignment(path, assignment)
+        return assignment, True, [], {}
     if recorded["buckets"] != buckets:
         raise AssignmentFileError(
             f"{path}: the assignment has {recorded['buckets']} buckets, the play asks for {buckets} (hsx_buckets): "
@@ -170,21 +191,54 @@ def resolve(
             "before any node has started, move the file aside to derive a new one"
         )
     new, gone = host_changes(recorded["hosts"], hosts)
+    gone = [h for h in gone if h not in recorded["retired"]]  # a retired host owns nothing to run
+    if new and rebalance:
+        unread = sorted(set(recorded["hosts"]) - set(recorded["retired"]) - set(answered if answered is not None else hosts))
+        if unread:
+            raise AssignmentFileError(
+                f"{path}: cannot rebalance: host(s) {', '.join(unread)} did not answer, so which of their buckets "
+                "have started is unknown; bring them back (or take them over: hsx takeover HOST) first"
+            )
+        try:
+            changed_to, gets = plan_rebalance(recorded, new, _spec_set(started, buckets, "started"), _now())
+        except AssignError as e:
+            raise AssignmentFileError(f"{path}: {e}") from None
+        if not check_mode:
+            write_assignment(path, changed_to)
+        return changed_to, True, [], {h: format_ranges(b) for h, b in gets.items()}
     if new:
         raise AssignmentFileError(
             f"{path}: host(s) {', '.join(new)} are not in the assignment made {recorded['created']} for "
-            f"{', '.join(sorted(recorded['hosts']))}; they would run nothing. Moving buckets to new hosts is a "
-            "rebalance, not done automatically yet (a later item of issue #39): leave them out of this play "
-            "(--limit), or, only before any node has started, move the file aside to derive a new assignment"
+            f"{', '.join(sorted(recorded['hosts']))}; they would run nothing. Adding hosts moves work, so it is "
+            "deliberate: run with -e hsx_rebalance=true (--check first shows what moves), or leave them out of "
+            "this play (--limit)"
         )
     warnings = []
     if gone:
         warnings.append(
             f"{path}: host(s) {', '.join(gone)} of the assignment are not in this play (--limit, or gone from the "
-            "inventory): their buckets stay theirs and no other host runs them (moving them is a takeover, a "
-            "later item of issue #39)"
+            "inventory): their buckets stay theirs and no other host runs them (hsx takeover HOST moves a dead "
+            "host's unfinished buckets)"
         )
-    return recorded, False, warnings
+    return recorded, False, warnings, {}
+
+
+def takeover(
+    path: str, host: str, finished: str, live: list[str], check_mode: bool
+) -> tuple[dict[str, Any], bool, dict[str, str]]:
+    """(assignment, changed, moved): `host`'s unfinished buckets moved to `live` (hsx.fleetplan)."""
+    recorded = read_assignment(path)
+    if recorded is None:
+        raise AssignmentFileError(f"{path}: no assignment to take {host} over from (the fleet has no derived split)")
+    done = _spec_set(finished, recorded["buckets"], f"finished buckets of {host}")
+    try:
+        new, moves = plan_takeover(recorded, host, done, live, _now())
+    except AssignError as e:
+        raise AssignmentFileError(f"{path}: {e}") from None
+    changed = new is not recorded
+    if changed and not check_mode:
+        write_assignment(path, new)
+    return new, changed, {h: format_ranges(b) for h, b in moves.items()}
 
 
 def main() -> None:
@@ -194,13 +248,26 @@ def main() -> None:
             "hosts": {"type": "list", "elements": "str", "required": True},
             "buckets": {"type": "int", "default": 1024},
             "create": {"type": "bool", "default": True},
+            "takeover": {"type": "str"},
+            "live_hosts": {"type": "list", "elements": "str", "default": []},
+            "finished": {"type": "str", "default": ""},
+            "rebalance": {"type": "bool", "default": False},
+            "started": {"type": "str", "default": ""},
+            "answered": {"type": "list", "elements": "str"},
         },
         supports_check_mode=True,
     )
     p = module.params
     path = os.path.abspath(p["path"])
+    warnings: list[str] = []
     try:
-        assignment, changed, warnings = resolve(path, list(p["hosts"]), p["buckets"], module.check_mode, p["create"])
+        if p["takeover"]:
+            assignment, changed, moved = takeover(path, p["takeover"], p["finished"], p["live_hosts"], module.check_mode)
+        else:
+            assignment, changed, warnings, moved = resolve(
+                path, list(p["hosts"]), p["buckets"], module.check_mode, p["create"], p["rebalance"], p["started"],
+                p["answered"],
+            )
     except AssignmentFileError as e:
         module.fail_json(msg=str(e), path=path)
     for w in warnings:
@@ -212,6 +279,9 @@ def main() -> None:
         assignment=assignment["hosts"],
         buckets=assignment["buckets"],
         created=assignment["created"],
+        epoch=assignment.get("epoch", 0),
+        retired=assignment.get("retired", []),
+        moved=moved,
         new_hosts=new,
         gone_hosts=gone,
     )

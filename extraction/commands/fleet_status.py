@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
-from extraction.fleet.fleetstatus import as_json, collect, fleet_total, render
+from extraction.fleet.fleetbuckets import fleet_view, prometheus_text, render_view
+from extraction.fleet.fleetstatus import HostStatus, as_json, collect, fleet_total, render
 from extraction.fleet.playbook import REPORTS
 from extraction.fleet.plot import PlotError, plot_history
+from hsx.assignfile import AssignmentFileError, read_assignment
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from hsx.fsutil import atomic_write_bytes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,8 +23,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "fleet-status",
         help="extraction progress on every host of an inventory, with the fleet total",
         description="Runs the extraction_status_info module on every host in one ad-hoc run. Hosts that are "
-        "unreachable, have no job or whose job is not making progress are marked. Exit 0: all "
-        "fine; 1: some host marked; 2: usage.",
+        "unreachable, have no job or whose job is not making progress are marked. With buckets (a fleet split, "
+        "issue 39) it also shows the whole dataset: buckets done / running / on unreachable hosts / unassigned per "
+        "host and overall, samples done once, done twice (after a takeover) and missing. Exit 0: all fine and "
+        "nothing missing; 1: some sample missing, or a host marked (a host taken over is not counted); 2: usage.",
     )
     p.add_argument(
         "-i",
@@ -29,7 +37,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-l", "--limit", metavar="HOSTS", help="only these hosts (default: all)")
     p.add_argument("-b", "--become", action="store_true", help="read the outputs as root (sudo)")
-    p.add_argument("--json", action="store_true", help="print JSON ('hosts' and 'total')")
+    p.add_argument("--json", action="store_true", help="print JSON ('hosts', 'total' and 'dataset')")
+    p.add_argument(
+        "--assignment",
+        metavar="FILE",
+        help="the fleet's assignment file (default: fleet/assignment.json beside the first inventory, if there)",
+    )
+    p.add_argument(
+        "--prom",
+        metavar="FILE.prom",
+        help="also write the dataset view as Prometheus text (node_exporter's textfile collector), atomically",
+    )
     p.add_argument("--watch", type=float, metavar="N", help="refresh every N seconds until interrupted")
     p.add_argument("--plot", metavar="FILE.png", help="also draw samples done over time per host")
     p.add_argument(
@@ -38,9 +56,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def once(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def load_assignment(path: str | None, inventory: list[str] | None) -> dict[str, Any] | None:
+    """The assignment file given, else fleet/assignment.json beside the first inventory when it exists."""
+    if path:
+        found = read_assignment(os.path.abspath(path))
+        if found is None:
+            raise AssignmentFileError(f"--assignment {path}: no such file")
+        return found
+    first = Path(inventory[0]) if inventory else None
+    if first is None or not first.exists():
+        return None
+    base = first if first.is_dir() else first.parent
+    return read_assignment(str(base.resolve() / "fleet" / "assignment.json"))
 
+
+def exit_code(hosts: list[HostStatus], view: dict[str, Any]) -> int:
+    """1 while a sample is missing or a host is marked (a retired host's marks do not count), else 0."""
+    retired = set(view.get("retired", []))
+    marked = [h for h in fleet_total(hosts)["marked"] if h not in retired]
+    missing = view.get("known") and view["samples"]["missing"] > 0
+    return EXIT_FAILED if marked or missing else EXIT_OK
+
+
+def write_prom(path: str, view: dict[str, Any]) -> None:
+    """The view as a Prometheus textfile (mode 0644: node_exporter reads it as another user)."""
+    atomic_write_bytes(os.path.abspath(path), prometheus_text(view).encode("utf-8"))
+    os.chmod(path, 0o644)
+
+
+def once(args: argparse.Namespace) -> int:
     hosts, runner = collect(
         args.inventory,
         args.limit,
@@ -55,11 +99,20 @@ def once(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    try:
+        assignment = load_assignment(args.assignment, args.inventory)
+    except AssignmentFileError as exc:
+        print(f"hsx fleet-status: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    view = fleet_view(hosts, assignment)
     if args.json:
-        print(as_json(hosts))
+        print(as_json(hosts, view))
     else:
         render(hosts)
-    code = EXIT_FAILED if fleet_total(hosts)["marked"] else EXIT_OK
+        print("\n".join(render_view(view)))
+    if args.prom:
+        write_prom(args.prom, view)
+    code = exit_code(hosts, view)
     if args.plot:
         try:
             plot_history(

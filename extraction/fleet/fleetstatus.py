@@ -158,7 +158,8 @@ def collect(
     """One ad-hoc run of extraction_status_info over the fleet (plus one slurp of status.json for plots)."""
     collector = StatusCollector()
     runner = _adhoc(
-        collector, "extraction_status_info", f"path={OUTPUT_DIR_ARG}", inventory, limit, become, report_dir
+        collector, "extraction_status_info", f"path={OUTPUT_DIR_ARG} buckets=true", inventory, limit, become,
+        report_dir,
     )
     if with_history:
         _adhoc(
@@ -223,7 +224,12 @@ def render(hosts: list[HostStatus], out: TextIO = sys.stdout) -> None:
     )
 
 
-def as_json(hosts: list[HostStatus]) -> str:
-    return json.dumps(
-        {"hosts": [h.as_dict() for h in hosts], "total": fleet_total(hosts)}, indent=2, sort_keys=True
-    )
+def as_json(hosts: list[HostStatus], dataset: dict[str, Any] | None = None) -> str:
+    """'hosts' (each host's reading, less the per-bucket lists), 'total' and, with a bucket view, 'dataset'
+    (fleetbuckets.fleet_view)."""
+    bulky = ("bucket_done", "bucket_totals")
+    rows = [{k: v for k, v in h.as_dict().items() if k not in bulky} for h in hosts]
+    data: dict[str, Any] = {"hosts": rows, "total": fleet_total(hosts)}
+    if dataset is not None:
+        data["dataset"] = dataset
+    return json.dumps(data, indent=2, sort_keys=True)

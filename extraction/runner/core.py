@@ -37,7 +37,7 @@ from extraction.runner.forward import (
 )
 from extraction.runner.lifecycle import Lifecycle, RunError
 from extraction.runner.metrics import MetricsReporter, run_info
-from extraction.runner.plan import node_samples, plan_windows
+from extraction.runner.plan import node_samples, plan_windows, record_bucket_totals
 from extraction.runner.produce import Producer, tokenize_ahead_batches
 from extraction.runner.progress import closing_line
 from extraction.runner.publish import default_writer_threads, make_publisher
@@ -95,6 +95,8 @@ class Runner:
         self.itemsize = ITEMSIZE[self.manifest.dtype]
         self.writer = open_output(cfg.output, self.manifest, self.output_lock, self.log)
         self.assigned = node_samples(self.scan.entries, cfg, self.manifest.buckets)
+        if self.manifest.buckets:
+            record_bucket_totals(cfg.output, self.manifest.buckets, cfg.assign, self.scan.entries, self.log)
         t0 = time.monotonic()
         self.done, bad = verified_done(
             cfg.output, self.manifest, {e.sample_id for e in self.assigned}, life.error

@@ -18,12 +18,13 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from extraction.backends.base import Sample
 from extraction.chat_tokenizer import ChatTokenizer
 from extraction.config import ExtractConfig
 from extraction.dataset import DatasetEntry, read_conversations
+from hsx.bucketcount import BUCKETS_NAME, count_totals, write_bucket_totals
 from hsx.buckets import bucket_of, id_hash, parse_assign
 
 WINDOW_BATCHES = 16  # a planning window holds this many batches' worth of samples
@@ -50,6 +51,18 @@ def node_samples(entries: list[DatasetEntry], cfg: ExtractConfig, buckets: int |
     else:
         assigned = [e for e in entries if assigned_to(e.sample_id, cfg.shard_index, cfg.num_shards)]
     return assigned if cfg.limit is None else assigned[: cfg.limit]
+
+
+def record_bucket_totals(
+    output: str, buckets: int, assign: str | None, entries: list[DatasetEntry], log: Callable[[str], None]
+) -> None:
+    """OUTPUT/buckets.json (hsx.bucketcount): the samples of every bucket in the whole dataset and
+    this node's --assign, read by extraction_status_info for the fleet's view (a bucket is finished on a
+    node when its index holds all of them). A write that fails is logged; the run goes on."""
+    try:
+        write_bucket_totals(output, buckets, assign, count_totals((e.sample_id for e in entries), buckets))
+    except OSError as e:
+        log(f"cannot write {output}/{BUCKETS_NAME} (the fleet's per-bucket view): {e.strerror or e}")
 
 
 def plan_windows(entries: list[DatasetEntry], batch_size: int) -> list[list[DatasetEntry]]:

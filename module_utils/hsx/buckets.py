@@ -12,7 +12,8 @@ Contract:
 - `format_ranges` is its inverse (sorted, merged ranges).
 - `derive_assignment`: hosts (sorted) -> contiguous near-equal ranges, every bucket on exactly
   one host; a pure function of (hosts, buckets).
-- `check_assignment`: a recorded assignment (host -> spec) covers every bucket exactly once.
+- `check_assignment`: a recorded assignment (host -> spec) covers every bucket exactly once; a
+  host may have "" (it owns no bucket: a host taken over, see hsx.fleetplan).
 """
 
 from __future__ import annotations
@@ -117,11 +118,13 @@ def derive_assignment(hosts: Iterable[str], buckets: int = DEFAULT_BUCKETS) -> d
 
 
 def check_assignment(hosts: Mapping[str, str], buckets: int, where: str = "assignment") -> None:
-    """AssignError (naming `where`) unless every host's spec parses and every bucket is on
-    exactly one host."""
+    """AssignError (naming `where`) unless every host's spec parses ("" for none) and every bucket
+    is on exactly one host."""
     check_buckets(buckets, where)
     owner: dict[int, str] = {}
     for host, spec in hosts.items():
+        if spec == "":
+            continue  # a host that owns no bucket (taken over)
         try:
             mine = parse_assign(spec, buckets)
         except AssignError as e:

@@ -19,6 +19,7 @@ from extraction.dataset import scan_dataset
 from extraction.runner import resume as resume_mod
 from extraction.runner.plan import assigned_to
 from extraction.tiny import write_tiny_dataset
+from hsx.bucketcount import count_totals, read_bucket_totals
 from hsx.buckets import bucket_of
 from hsx.exitcodes import EXIT_OK, EXIT_USAGE
 from hsx.index import load_index
@@ -61,6 +62,10 @@ def test_two_nodes_with_complementary_assignments_extract_the_dataset_exactly_on
         assert json.loads((out / MANIFEST_NAME).read_text())["buckets"] == BUCKETS
         status = read_status(str(out))
         assert (status["buckets"], status["assign"], status["total"]) == (BUCKETS, spec, len(got[node]))
+        # The fleet's per-bucket view (extraction_status): every bucket's samples, over the whole dataset.
+        totals = read_bucket_totals(str(out))
+        assert totals == {"buckets": BUCKETS, "assign": spec, "totals": count_totals(ids, BUCKETS)}
+        assert sum(totals["totals"]) == len(ids)
     assert got["a"] == in_buckets(ids, {0, 1}) and got["b"] == in_buckets(ids, {2, 3})
     assert got["a"] | got["b"] == ids and not got["a"] & got["b"]
 
@@ -78,6 +83,7 @@ def test_a_resume_may_run_another_assignment_and_keeps_what_is_done(
     assert set(load_index(str(out))) == ids
     assert any(f"resume: {len(first)} sample(s) already done" in m for m in logs), logs
     assert read_status(str(out))["assign"] == "0-3"
+    assert read_bucket_totals(str(out))["assign"] == "0-3"  # rewritten at each start
 
 
 def test_the_bucket_count_is_fixed_when_the_run_is_made(tiny_model_dir, dataset, backend, tmp_path) -> None:

@@ -125,3 +125,28 @@ def test_output_dir_still_names_the_output_as_an_alias_of_path(tmp_path, capsys)
     out = json.loads(capsys.readouterr().out)
     assert exc.value.code == 0 and out["done"] == 2, out
     assert out["invocation"]["module_args"]["path"] == str(tmp_path)
+
+
+def test_per_bucket_counts_and_finished_buckets_come_from_the_node_never_guessed(tmp_path):
+    from hsx.bucketcount import count_totals, write_bucket_totals
+    from hsx.buckets import bucket_of, format_ranges
+
+    plant(tmp_path, 6, status(done=6))
+    (tmp_path / "run.json").write_text('{"buckets": 4}')
+    ids = [f"s{i}" for i in range(10)]  # the dataset; the index holds s0..s5
+    st = extraction_status.ExtractionStatus(str(tmp_path), progress_window=60)
+    st.read()
+    before = st.read_buckets()
+    done = {}
+    for i in ids[:6]:
+        done[str(bucket_of(i, 4))] = done.get(str(bucket_of(i, 4)), 0) + 1
+    assert before["bucket_count"] == 4 and before["bucket_done"] == dict(sorted(done.items()))
+    assert before["bucket_totals"] is None and before["finished_buckets"] == ""  # no totals: nothing finished
+    totals = count_totals(ids, 4)
+    write_bucket_totals(str(tmp_path), 4, "0-3", totals)
+    after = st.read_buckets()
+    finished = [b for b in range(4) if done.get(str(b), 0) >= totals[b]]
+    assert after["bucket_totals"] == totals and after["assign"] == "0-3"
+    assert after["finished_buckets"] == format_ranges(finished)
+    (tmp_path / "run.json").write_text("{}")  # a run made before buckets
+    assert st.read_buckets()["bucket_count"] is None

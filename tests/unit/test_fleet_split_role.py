@@ -57,8 +57,29 @@ def test_each_host_gets_its_buckets_and_the_fleet_runs_every_bucket_once(tmp_pat
     before = (tmp_path / "fleet" / "assignment.json").read_bytes()
     proc = play(tmp_path, [*hosts, "n4"])
     assert proc.returncode != 0 and "host(s) n4 are not in the assignment" in proc.stdout
-    assert "rebalance, not done automatically yet" in proc.stdout
+    assert "-e hsx_rebalance=true" in proc.stdout
     assert (tmp_path / "fleet" / "assignment.json").read_bytes() == before
+    # A rebalance is deliberate (-e hsx_rebalance=true), --check first: n4 gets only buckets no
+    # node has started (these stand-ins have no output: none has), an even share.
+    proc = play(tmp_path, [*hosts, "n4"], "-e", "hsx_rebalance=true", "--check")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "Would move unstarted buckets to the new host(s): n4 gets " in " ".join(proc.stdout.split())
+    assert (tmp_path / "fleet" / "assignment.json").read_bytes() == before
+    proc = play(tmp_path, [*hosts, "n4"], "-e", "hsx_rebalance=true")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    after = json.loads((tmp_path / "fleet" / "assignment.json").read_text())
+    assert after["epoch"] == 1 and len(parse_assign(after["hosts"]["n4"], 1024)) == 256
+    assert config(tmp_path, "n4")["assign"] == after["hosts"]["n4"]
+    assert sorted(b for h in after["hosts"].values() for b in parse_assign(h, 1024)) == list(range(1024))
+    # A host taken over (it owns nothing, retired) keeps its config as it was: never "the whole dataset".
+    n1_before = (tmp_path / "n1" / "run.yaml").read_text()
+    after["hosts"]["n2"] += "," + after["hosts"]["n1"]
+    after["hosts"]["n1"], after["retired"] = "", ["n1"]
+    (tmp_path / "fleet" / "assignment.json").write_text(json.dumps(after))
+    proc = play(tmp_path, [*hosts, "n4"])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert (tmp_path / "n1" / "run.yaml").read_text() == n1_before
+    assert config(tmp_path, "n2")["assign"] == after["hosts"]["n2"]
 
 
 def test_explicit_shards_win_and_a_fleet_of_one_runs_everything(tmp_path) -> None:

@@ -25,7 +25,8 @@ def test_made_on_first_use_then_read_as_it_is(capsys, tmp_path) -> None:
     r = run_module(capsys, path=str(path), hosts=["n2", "n1"], buckets=8)
     assert r["changed"] and r["assignment"] == {"n1": "0-3", "n2": "4-7"}
     on_disk = json.loads(path.read_text())
-    assert on_disk == {"buckets": 8, "created": r["created"], "hosts": {"n1": "0-3", "n2": "4-7"}}
+    assert on_disk == {"buckets": 8, "created": r["created"], "epoch": 0, "hosts": {"n1": "0-3", "n2": "4-7"},
+                       "retired": [], "history": []}
     assert path.read_text().startswith('{\n  "buckets": 8,')  # pretty: one field a line
     # A person edits it (moves bucket 3): read as it is, never derived again.
     path.write_text(json.dumps({**on_disk, "hosts": {"n1": "0-2", "n2": "3-7"}}))
@@ -40,7 +41,7 @@ def test_a_changed_host_list_is_reported_saying_which_hosts(capsys, tmp_path) ->
     before = path.read_bytes()
     r = run_module(capsys, path=str(path), hosts=["n1", "n2", "n3", "n4"], buckets=9)
     assert r["failed"] and "host(s) n4 are not in the assignment" in r["msg"]
-    assert "rebalance, not done automatically yet" in r["msg"] and "move the file aside" in r["msg"]
+    assert "-e hsx_rebalance=true" in r["msg"] and "--check first" in r["msg"]
     r = run_module(capsys, path=str(path), hosts=["n1", "n3"], buckets=9)
     assert not r.get("failed") and r["gone_hosts"] == ["n2"] and r["assignment"]["n2"] == "3-5"
     assert "host(s) n2 of the assignment are not in this play" in json.dumps(r["warnings"])
@@ -92,3 +93,39 @@ def test_ansible_doc_renders(module_doc) -> None:
     doc = module_doc("hsx_assignment")["doc"]
     assert {"path", "hosts", "buckets"} <= set(doc["options"])
     assert doc["attributes"]["platform"]["platforms"] == "posix"  # from the doc fragment
+
+
+
+def test_a_takeover_moves_the_unfinished_buckets_and_a_second_changes_nothing(capsys, tmp_path) -> None:
+    path = tmp_path / "a.json"
+    run_module(capsys, path=str(path), hosts=["n1", "n2", "n3"], buckets=12)  # n1 0-3, n2 4-7, n3 8-11
+    before = path.read_bytes()
+    args = dict(path=str(path), hosts=["n1", "n2", "n3"], buckets=12, takeover="n2", live_hosts=["n1", "n3"])
+    check = run_module(capsys, **args, finished="4", _ansible_check_mode=True)
+    assert check["changed"] and check["moved"] == {"n1": "5-6", "n3": "7"} and path.read_bytes() == before
+    r = run_module(capsys, **args, finished="4")
+    assert r["changed"] and r["assignment"] == {"n1": "0-3,5-6", "n2": "4", "n3": "7-11"}
+    on_disk = json.loads(path.read_text())
+    assert on_disk["epoch"] == 1 and on_disk["retired"] == ["n2"]
+    assert on_disk["history"][0] | {"at": "-"} == {
+        "epoch": 1, "at": "-", "action": "takeover", "host": "n2", "kept": "4", "moved": {"n1": "5-6", "n3": "7"}}
+    again = run_module(capsys, **args, finished="")
+    assert not again["changed"] and again["moved"] == {} and json.loads(path.read_text()) == on_disk
+    r = run_module(capsys, **{**args, "takeover": "n9"})
+    assert r["failed"] and "n9 is not in the assignment" in r["msg"]
+    r = run_module(capsys, **{**args, "takeover": "n1", "live_hosts": []})
+    assert r["failed"] and "no live host to take n1's" in r["msg"] and json.loads(path.read_text()) == on_disk
+
+
+def test_a_rebalance_moves_only_unstarted_buckets_to_the_new_host(capsys, tmp_path) -> None:
+    path = tmp_path / "a.json"
+    run_module(capsys, path=str(path), hosts=["n1", "n2"], buckets=8)  # n1 0-3, n2 4-7
+    args = dict(path=str(path), hosts=["n1", "n2", "n3"], buckets=8, rebalance=True, started="0-2,4-7")
+    check = run_module(capsys, **args, _ansible_check_mode=True)
+    assert check["changed"] and check["moved"] == {"n3": "3"} and json.loads(path.read_text())["epoch"] == 0
+    r = run_module(capsys, **args)
+    assert r["assignment"] == {"n1": "0-2", "n2": "4-7", "n3": "3"} and r["epoch"] == 1
+    again = run_module(capsys, **args)
+    assert not again["changed"] and again["assignment"] == r["assignment"]
+    r = run_module(capsys, **{**args, "hosts": ["n1", "n2", "n3", "n4"], "answered": ["n1", "n3", "n4"]})
+    assert r["failed"] and "host(s) n2 did not answer" in r["msg"]

@@ -1,0 +1,51 @@
+"""`hsx takeover HOST`: run playbooks/takeover.yml (a dead host's unfinished buckets to the live hosts)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from extraction.fleet.playbook import REPORTS, add_playbook_arguments, run_playbook
+
+PLAN_TASK = "The plan"  # roles/extraction_job/tasks/takeover.yml's task that says what moves
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "takeover",
+        help="move a dead host's unfinished buckets to the live hosts (takeover.yml); --check shows the plan",
+        description="Runs playbooks/takeover.yml with hsx_takeover_host=HOST: finished buckets are read from "
+        "each host's own output (an unreachable host finished nothing), the rest of HOST's buckets move to the "
+        "hosts that answered (recorded in the fleet's assignment file) and their jobs resume with them. Exit 0: "
+        "done (HOST itself may be unreachable); 1: some other host failed; 2: usage.",
+    )
+    p.add_argument("host", metavar="HOST", help="the inventory name of the host to take over")
+    add_playbook_arguments(p)
+    p.set_defaults(func=run)
+
+
+def plan_message(artifact_dir: Path) -> str | None:
+    """The plan the playbook printed (its PLAN_TASK's msg), from the run's recorded events."""
+    for path in sorted((artifact_dir / "job_events").glob("*.json")):
+        try:
+            event = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        data = event.get("event_data") or {}
+        if event.get("event") == "runner_on_ok" and str(data.get("task", "")).endswith(PLAN_TASK):
+            msg = (data.get("res") or {}).get("msg")
+            return " ".join(str(msg).split()) if msg else None
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    args.extra_vars = [*(args.extra_vars or []), json.dumps({"hsx_takeover_host": args.host})]
+    code = run_playbook(args, "takeover.yml", "takeover")
+    artifacts = (args.report_dir or REPORTS).resolve() / ".runner" / "artifacts"
+    runs = sorted(artifacts.glob(f"*-takeover-{os.getpid()}"))  # this process's run (run_playbook's ident)
+    plan = plan_message(runs[-1]) if runs else None
+    if plan:
+        print(f"\nPlan: {plan}")
+    return code

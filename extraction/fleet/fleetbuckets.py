@@ -1,0 +1,152 @@
+"""The whole dataset in one view (issue #39 item 4): buckets and samples over the fleet, from what
+each host's extraction_status_info (buckets=true) read on its own disk and the assignment file.
+
+Contract (`fleet_view(hosts, assignment)`):
+- A bucket is **done** when some host's output holds all of its samples (the count the jobs wrote
+  in buckets.json); else **running** when its owner (the assignment file; without one, the host
+  whose job runs it) answered and its job runs it, **unreachable** when its owner did not answer,
+  **unassigned** when no host owns it or its owner's job does not run it yet (config not rendered).
+- Samples, per bucket: `copies` is the sum of every host's count. A done bucket has exactly its
+  total distinct samples, so `done twice` = copies - total (exact). In a bucket no host has
+  finished, distinct >= the largest host count: that lower bound is used (done, done once) and
+  `missing` = total - it is an upper bound; `exact` says whether every bucket was exact. So
+  `missing` is never under-counted: 0 means every sample exists on some host.
+- Without totals from any host (no buckets.json yet) nothing is counted done; `known` is false.
+- Per host: the buckets it owns by state, the samples its index holds, and how many of those lie
+  in buckets it does not own (taken over from it, or earlier work).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hsx.buckets import AssignError, parse_assign
+
+STATES = ("done", "running", "unreachable", "unassigned")
+
+
+def _spec(spec: str | None, buckets: int) -> set[int]:
+    try:
+        return set(parse_assign(spec, buckets)) if spec else set()
+    except AssignError:
+        return set()
+
+
+def fleet_view(hosts: list[Any], assignment: dict[str, Any] | None) -> dict[str, Any]:
+    """The fleet's buckets and samples (module contract); `hosts` are fleetstatus.HostStatus."""
+    answered = {h.host: h.result for h in hosts if h.result and not h.unreachable and not h.error}
+    counts = [r.get("bucket_count") for r in answered.values() if r.get("bucket_count")]
+    n = assignment["buckets"] if assignment else (counts[0] if counts else None)
+    if not n:
+        return {"known": False, "reason": "no host reports a run with buckets (and no assignment file)"}
+    totals = next((r["bucket_totals"] for r in answered.values()
+                   if r.get("bucket_count") == n and r.get("bucket_totals")), None)
+    if assignment:
+        owner = {b: h for h, s in assignment["hosts"].items() for b in _spec(s, n)}
+    else:
+        owner = {b: h for h, r in answered.items() for b in _spec(r.get("assign"), n)}
+    runs = {h: _spec(r.get("assign"), n) if r.get("assign") else set(range(n)) for h, r in answered.items()}
+    done_by = {h: {int(b): c for b, c in (r.get("bucket_done") or {}).items()}
+               for h, r in answered.items() if r.get("bucket_count") == n}
+    retired = set(assignment.get("retired", [])) if assignment else set()
+    state: dict[int, str] = {}
+    samples = {"total": 0, "done": 0, "done_once": 0, "done_twice": 0, "missing": 0}
+    exact = totals is not None
+    for b in range(n):
+        held = [c[b] for c in done_by.values() if c.get(b)]
+        total = totals[b] if totals else None
+        copies = sum(held)
+        if total is not None and max(held, default=0) >= total:
+            state[b], distinct = "done", total
+        else:
+            h = owner.get(b)
+            state[b] = ("unassigned" if h is None or (h in answered and b not in runs.get(h, set()))
+                        else "running" if h in answered else "unreachable")
+            distinct = max(held, default=0)
+            exact = exact and len(held) <= 1
+        extra = copies - distinct
+        samples["total"] += total if total is not None else 0
+        samples["done"] += distinct
+        samples["done_twice"] += extra
+        samples["done_once"] += distinct - extra
+        samples["missing"] += (total - distinct) if total is not None else 0
+    per_host: dict[str, dict[str, Any]] = {}
+    for h in sorted({*(assignment["hosts"] if assignment else {}), *(x.host for x in hosts)}):
+        mine = [b for b, o in owner.items() if o == h]
+        counts_h = done_by.get(h, {})
+        per_host[h] = {
+            "buckets": {s: sum(1 for b in mine if state[b] == s) for s in STATES},
+            "owned": len(mine),
+            "samples_done": sum(counts_h.values()) if h in done_by else None,
+            "samples_elsewhere": sum(c for b, c in counts_h.items() if owner.get(b) != h) if h in done_by else None,
+            "answered": h in answered,
+            "retired": h in retired,
+        }
+    return {
+        "known": totals is not None,
+        "buckets": n,
+        "bucket_states": {s: sum(1 for v in state.values() if v == s) for s in STATES},
+        "samples": samples,
+        "exact": exact,
+        "complete": totals is not None and samples["missing"] == 0,
+        "retired": sorted(retired),
+        "epoch": assignment.get("epoch", 0) if assignment else None,
+        "per_host": per_host,
+    }
+
+
+def render_view(view: dict[str, Any]) -> list[str]:
+    """The view as lines for people (after fleetstatus.render's table)."""
+    if not view.get("known"):
+        return [f"BUCKETS: unknown ({view.get('reason', 'no host reports bucket totals yet (buckets.json)')})"]
+    lines = [f"{'HOST':<18} {'OWNS':>6} {'DONE':>6} {'RUNNING':>8} {'UNREACH':>8} {'UNASSIGNED':>10} "
+             f"{'SAMPLES':>8} {'ELSEWHERE':>9}"]
+    for h, v in view["per_host"].items():
+        b = v["buckets"]
+        tag = " (retired)" if v["retired"] else ""
+        lines.append(
+            f"{h:<18} {v['owned']:>6} {b['done']:>6} {b['running']:>8} {b['unreachable']:>8} {b['unassigned']:>10} "
+            f"{'-' if v['samples_done'] is None else v['samples_done']:>8} "
+            f"{'-' if v['samples_elsewhere'] is None else v['samples_elsewhere']:>9}{tag}"
+        )
+    s, bs = view["samples"], view["bucket_states"]
+    approx = "" if view["exact"] else " (at most; some buckets are shared mid-run)"
+    lines.append(
+        f"DATASET: {view['buckets']} buckets: {bs['done']} done, {bs['running']} running, {bs['unreachable']} on "
+        f"unreachable hosts, {bs['unassigned']} unassigned; samples {s['done']}/{s['total']} done "
+        f"({s['done_once']} once, {s['done_twice']} twice), {s['missing']} missing{approx}: "
+        + ("COMPLETE" if view["complete"] else "INCOMPLETE")
+    )
+    return lines
+
+
+def prometheus_text(view: dict[str, Any]) -> str:
+    """The same numbers as Prometheus text (`hsx fleet-status --prom FILE`, for node_exporter's
+    textfile collector on the control node): per host its buckets by state and samples, and the
+    fleet's samples by kind."""
+    out = [
+        "# HELP hsx_fleet_buckets Buckets a host owns in the fleet's assignment, by state.",
+        "# TYPE hsx_fleet_buckets gauge",
+    ]
+    if view.get("known"):
+        for h, v in view["per_host"].items():
+            for s, c in v["buckets"].items():
+                out.append(f'hsx_fleet_buckets{{host="{_label(h)}",state="{s}"}} {c}')
+    out += ["# HELP hsx_fleet_host_samples_done Samples in a host's index (its own disk).",
+            "# TYPE hsx_fleet_host_samples_done gauge"]
+    if view.get("known"):
+        for h, v in view["per_host"].items():
+            if v["samples_done"] is not None:
+                out.append(f'hsx_fleet_host_samples_done{{host="{_label(h)}"}} {v["samples_done"]}')
+    out += ["# HELP hsx_fleet_samples The dataset's samples over the fleet: done once, done twice, missing.",
+            "# TYPE hsx_fleet_samples gauge"]
+    if view.get("known"):
+        for k in ("total", "done_once", "done_twice", "missing"):
+            out.append(f'hsx_fleet_samples{{kind="{k}"}} {view["samples"][k]}')
+    out += ["# HELP hsx_fleet_complete 1 when every sample of the dataset is done on some host.",
+            "# TYPE hsx_fleet_complete gauge", f"hsx_fleet_complete {1 if view.get('complete') else 0}"]
+    return "\n".join(out) + "\n"
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

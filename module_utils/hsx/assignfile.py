@@ -1,0 +1,98 @@
+"""The fleet's assignment file on the control node: read (checked), written (atomically).
+
+Stdlib only (Ansible modules on the control node and `hsx fleet-status` both use it: one reader).
+
+The file is pretty JSON a person can read::
+
+    {"buckets": 1024, "created": "...", "epoch": 1,
+     "hosts": {"node-a": "0-511,768-1023", "node-b": "", "node-c": "512-767"},
+     "retired": ["node-b"],
+     "history": [{"epoch": 1, "at": "...", "action": "takeover", "host": "node-b",
+                  "kept": "", "moved": {"node-a": "768-1023", "node-c": "512-767"}}]}
+
+Contract:
+- `read_assignment(path)`: the checked dict (every bucket on exactly one host; a host may own ""),
+  with `epoch` (0), `retired` ([]) and `history` ([]) filled in for a file made before them; None
+  when there is no file. Never through a link, only a regular file; anything else is an
+  AssignmentFileError naming the file and saying what to do.
+- `write_assignment(path, data)`: checks, then temp file + rename (no link followed); the
+  directory is made if absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .buckets import AssignError, check_assignment
+from .fsutil import LinkRefused, atomic_write_bytes, read_nofollow
+
+MAX_FILE_BYTES = 4 << 20  # a thousand hosts' ranges and a long history are well under this
+ASIDE = "fix it, or move it aside to derive a new assignment (only before any node has started: it reassigns buckets)"
+
+
+class AssignmentFileError(Exception):
+    """The file cannot be read, written or believed; the message names it and says what to do."""
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def read_assignment(path: str) -> dict[str, Any] | None:
+    """The file's {buckets, created, epoch, hosts, retired, history}, checked; None when there is none."""
+    try:
+        raw = read_nofollow(path, MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except LinkRefused as e:
+        raise AssignmentFileError(f"{e}; put the assignment file itself there") from None
+    except OSError as e:
+        raise AssignmentFileError(f"{path}: cannot read the assignment: {e.strerror or e}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise AssignmentFileError(f"{path}: over {MAX_FILE_BYTES} bytes, not an assignment hsx wrote; {ASIDE}")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise AssignmentFileError(f"{path}: not valid JSON ({e}); {ASIDE}") from None
+    hosts = data.get("hosts") if isinstance(data, dict) else None
+    if not isinstance(hosts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in hosts.items()):
+        raise AssignmentFileError(f"{path}: not an assignment (an object with 'hosts': host -> ranges); {ASIDE}")
+    try:
+        check_assignment(hosts, data.get("buckets"), path)
+    except AssignError as e:
+        raise AssignmentFileError(f"{e}; {ASIDE}") from None
+    epoch, retired, history = data.get("epoch", 0), data.get("retired", []), data.get("history", [])
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise AssignmentFileError(f"{path}: 'epoch' must be a whole number >= 0, got {epoch!r}; {ASIDE}")
+    if not _strings(retired) or not set(retired) <= hosts.keys():
+        raise AssignmentFileError(f"{path}: 'retired' must list hosts of 'hosts', got {retired!r}; {ASIDE}")
+    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        raise AssignmentFileError(f"{path}: 'history' must be a list of objects; {ASIDE}")
+    return {
+        "buckets": data["buckets"],
+        "created": str(data.get("created", "?")),
+        "epoch": epoch,
+        "hosts": hosts,
+        "retired": list(retired),
+        "history": history,
+    }
+
+
+def encode(assignment: dict[str, Any]) -> bytes:
+    """The file's bytes: indented JSON, keys in a fixed order, a newline at the end."""
+    return (json.dumps(assignment, indent=2) + "\n").encode("utf-8")
+
+
+def write_assignment(path: str, assignment: dict[str, Any]) -> None:
+    """Check `assignment`, then replace the file atomically (AssignmentFileError on failure)."""
+    try:
+        check_assignment(assignment["hosts"], assignment["buckets"], path)
+    except AssignError as e:
+        raise AssignmentFileError(f"refusing to write {path}: {e}") from None
+    try:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+        atomic_write_bytes(path, encode(assignment))
+    except OSError as e:
+        raise AssignmentFileError(f"{path}: cannot write the assignment: {e.strerror or e}") from None

@@ -1,0 +1,118 @@
+"""Moving buckets between hosts: a takeover (a host's unfinished buckets to the live hosts) and a
+rebalance (unstarted buckets to new hosts). Pure functions of the recorded assignment (hsx.assignfile)
+and what the nodes reported; stdlib only.
+
+Contract:
+- `plan_takeover(assignment, host, finished, live, now)`: the new assignment. `host` keeps only the
+  buckets of its own that `finished` names (what the nodes reported finished on it; nothing for a
+  host that could not be reached) and is recorded in `retired`; the rest of its buckets go to
+  `live` (sorted) in contiguous near-equal runs, the first hosts one more. `epoch` grows by one and
+  `history` gets an entry saying what moved where. A host already retired gives the assignment
+  back as it is (a second takeover changes nothing: what it kept was read finished from its own
+  output when it was taken over).
+- `plan_rebalance(assignment, new_hosts, started, now)`: the new assignment with `new_hosts` added.
+  Only buckets no node has started (not in `started`: any sample of it done on any host) move;
+  each existing (not retired) host gives its highest unstarted buckets beyond an even share of
+  the buckets over all active hosts, and the new hosts take them (sorted, in contiguous runs) up to that share.
+- Both raise AssignError (hsx.buckets) naming what is wrong: an unknown host, no live host, a
+  new host already in the assignment; neither changes its input.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+from .buckets import AssignError, format_ranges, parse_assign
+
+
+def owned(assignment: dict[str, Any], host: str) -> set[int]:
+    """The buckets the assignment gives `host` (none for "" or a host it does not name)."""
+    spec = assignment["hosts"].get(host, "")
+    return set(parse_assign(spec, assignment["buckets"])) if spec else set()
+
+
+def split_runs(numbers: Iterable[int], hosts: list[str]) -> dict[str, set[int]]:
+    """Sorted numbers over sorted hosts in contiguous near-equal runs (the first hosts one more)."""
+    ordered, names = sorted(set(numbers)), sorted(hosts)
+    base, extra = divmod(len(ordered), len(names))
+    out, start = {}, 0
+    for i, name in enumerate(names):
+        size = base + (1 if i < extra else 0)
+        out[name] = set(ordered[start : start + size])
+        start += size
+    return out
+
+
+def _next(assignment: dict[str, Any], entry: dict[str, Any], now: str) -> dict[str, Any]:
+    new = copy.deepcopy(assignment)
+    new["epoch"] = assignment.get("epoch", 0) + 1
+    new["history"] = [*assignment.get("history", []), {"epoch": new["epoch"], "at": now, **entry}]
+    return new
+
+
+def plan_takeover(
+    assignment: dict[str, Any], host: str, finished: Iterable[int], live: Iterable[str], now: str
+) -> tuple[dict[str, Any], dict[str, set[int]]]:
+    """(the new assignment, taker -> the buckets it takes); see the module's contract."""
+    hosts = assignment["hosts"]
+    if host not in hosts:
+        raise AssignError(f"takeover: {host} is not in the assignment (its hosts: {', '.join(sorted(hosts))})")
+    retired = set(assignment.get("retired", []))
+    takers = sorted(set(live) - {host} - retired)
+    unknown = [h for h in takers if h not in hosts]
+    if unknown:
+        raise AssignError(f"takeover: live host(s) {', '.join(unknown)} are not in the assignment (a rebalance adds hosts)")
+    mine = owned(assignment, host)
+    if host in retired:  # what it kept was read finished when it was taken over: it stays
+        return assignment, {}
+    kept = mine & set(finished)
+    moving = mine - kept
+    if moving and not takers:
+        raise AssignError(f"takeover: no live host to take {host}'s {len(moving)} unfinished bucket(s)")
+    runs = split_runs(moving, takers) if moving else {}
+    entry = {
+        "action": "takeover",
+        "host": host,
+        "kept": format_ranges(kept),
+        "moved": {t: format_ranges(b) for t, b in runs.items() if b},
+    }
+    new = _next(assignment, entry, now)
+    new["hosts"][host] = format_ranges(kept)
+    for taker, taken in runs.items():
+        new["hosts"][taker] = format_ranges(owned(assignment, taker) | taken)
+    new["retired"] = sorted(retired | {host})
+    return new, {t: b for t, b in runs.items() if b}
+
+
+def plan_rebalance(
+    assignment: dict[str, Any], new_hosts: Iterable[str], started: Iterable[int], now: str
+) -> tuple[dict[str, Any], dict[str, set[int]]]:
+    """(the new assignment, new host -> the buckets it gets); see the module's contract."""
+    hosts, buckets = assignment["hosts"], assignment["buckets"]
+    adding = sorted(set(new_hosts))
+    there = [h for h in adding if h in hosts]
+    if there:
+        raise AssignError(f"rebalance: host(s) {', '.join(there)} are already in the assignment")
+    if not adding:
+        return assignment, {}
+    retired = set(assignment.get("retired", []))
+    active = sorted(set(hosts) - retired)
+    share = buckets // (len(active) + len(adding))
+    started_set = set(started)
+    pool: list[int] = []
+    for h in active:
+        mine = owned(assignment, h)
+        spare = sorted(mine - started_set, reverse=True)[: max(len(mine) - share, 0)]
+        pool += spare
+    pool.sort()
+    gets = split_runs(pool[: share * len(adding)], adding)
+    moved = set().union(*gets.values())
+    entry = {"action": "rebalance", "added": adding, "moved": {h: format_ranges(b) for h, b in gets.items()}}
+    new = _next(assignment, entry, now)
+    for h in active:
+        new["hosts"][h] = format_ranges(owned(assignment, h) - moved)
+    for h in adding:
+        new["hosts"][h] = format_ranges(gets[h])
+    return new, gets
