@@ -43,6 +43,7 @@ from extraction.sglang.hsx_dump_format import FAILED_SUFFIX, rid_stem
 from extraction.shards.filebytes import FileBytes, OpenFile, in_memory
 
 _KEYS = fmt.DUMP_TENSORS  # a piece's tensors, in the file's order
+_STATE_KEYS = ("hidden_state", "aux_hidden_state")  # the tensors a finite piece leaves in its file
 
 
 class DumpError(ValueError):
@@ -197,11 +198,13 @@ def _load_v2(path: str, fd: int, head: bytes, size: int) -> tuple[dict, OpenFile
     if finite is not True:
         record.update(_read_tensors(path, fd, tensors, size))
         return record, None
-    kept = OpenFile(fd, path, size)
     record.update(_read_tensors(path, fd, {"input_ids": tensors["input_ids"]}, tensors["hidden_state"][2]))
-    for name in ("hidden_state", "aux_hidden_state"):
-        dtype, shape, at = tensors[name]
-        record[name] = FileBytes(dtype, tuple(shape), ((kept, at, _nbytes(dtype, shape)),), DumpError)
+    spans = {name: (tensors[name][0], tuple(tensors[name][1]), tensors[name][2]) for name in _STATE_KEYS}
+    # The OpenFile takes `fd` over last, once nothing can fail: until then _load closes it, and
+    # both closing it would close a number some other file may have got in between.
+    kept = OpenFile(fd, path, size)
+    for name, (dtype, shape, at) in spans.items():
+        record[name] = FileBytes(dtype, shape, ((kept, at, _nbytes(dtype, shape)),), DumpError)
     return record, kept
 
 

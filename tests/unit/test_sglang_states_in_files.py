@@ -165,3 +165,27 @@ def test_the_hook_records_what_it_found(tmp_path, bad):
     assert dumps._load(str(tmp_path / hsx_dump_format.dump_name("clean", 0)), "clean")["finite"] is True
     assert dumps._load(str(tmp_path / hsx_dump_format.dump_name("dirty", 0)), "dirty")["finite"] is False
     assert hsx_dump_format.rows_finite(hidden, dirty_parts).tolist() == [True, True, True, False]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # a second close: EBADF
+def test_a_piece_that_fails_after_its_header_closes_its_descriptor_once(tmp_path, monkeypatch):
+    """A read error after the header (the input ids) fails that piece; its descriptor is closed
+    exactly once: a second close, later, would close whatever file had got the number since (a
+    shard's temp, the index)."""
+    import gc
+
+    (tmp_path / "dumps").mkdir()
+    _dump(tmp_path / "dumps", [(0, 4)], finite=True)
+
+    def failing_read(path, fd, specs, size):
+        raise dumps.DumpError(f"{path}: unreadable dump: [Errno 5] Input/output error")
+
+    monkeypatch.setattr(dumps, "_read_tensors", failing_read)
+    with pytest.raises(dumps.DumpError, match="Input/output error"):
+        dumps.read_request(str(tmp_path / "dumps"), RID, expected_len=4, states_in_files=True)
+    victim = os.open(tmp_path / "victim", os.O_CREAT | os.O_WRONLY, 0o600)  # most likely the freed number
+    try:
+        gc.collect()  # anything left holding the failed piece's descriptor is finalized now
+        assert os.write(victim, b"still mine") == 10
+    finally:
+        os.close(victim)
