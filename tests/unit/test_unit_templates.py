@@ -193,6 +193,7 @@ def test_extraction_unit_reads_back_exactly_as_given(rendered):
     assert view["Description"] == [f"hsx hidden-state extraction ({v['extraction_job_output_dir']})"]
     # PrivateTmp= and CacheDirectory= add their own (systemd lists them in no fixed order).
     assert set(view["RequiresMountsFor"]) == {v["extraction_job_output_dir"], "/var/tmp", "/var/cache/hsx"}
+    assert view["LimitNOFILE"] == ["65536"]  # a descriptor per dump piece kept until its shard is written
 
 
 @needs_systemd
