@@ -1,31 +1,39 @@
 #!/usr/bin/env bash
-# `make test`: lint, unit + integration tests in one pytest run, and the molecule scenarios.
+# `make test`: lint, unit + integration tests, the molecule scenarios, the collection.
 #
-# Two lanes at once, each on its own lab (HSX_LAB_ID): pytest on the default lab; molecule, the
-# 4-host patch rollout test (the longest lab test), then the collection (ansible-test sanity on the
-# generated hsx.recovery; its tarball installed and run by FQCN) on lab $HSX_MOLECULE_LAB_ID (9). Most of a lab
-# test's wall time is waiting (SSH round trips, systemd, a job making progress), so the lanes overlap
-# well even on 2 cores. Every stage runs even when an earlier one failed; both labs are always torn
-# down.
+# Three lanes at once, each on its own lab (HSX_LAB_ID), so no lab test waits for another:
+#   pytest (this shell, the default lab): lint, then tests/unit and tests/integration but for the
+#     modules the other lanes run;
+#   lane 2 (lab $HSX_MOLECULE_LAB_ID, 9): molecule, the 4-host patch rollout (the longest lab test),
+#     then the collection (ansible-test sanity on the generated hsx.recovery; its tarball installed
+#     and run by FQCN);
+#   lane 3 (lab $HSX_FLEET_LAB_ID, 7): the fleet (#39: 3 hosts, one powered off, takeover) and
+#     provisioning.
+# Most of a lab test's wall time is waiting (SSH round trips, systemd, a job making progress), so the
+# lanes overlap well even on 2 cores. Every stage runs even when an earlier one failed; every lab is
+# always torn down. A lane's log is .cache/<lane>.log, printed when the lanes are done.
 set -u
 cd "$(dirname "$0")/.."
-molecule_lab=${HSX_MOLECULE_LAB_ID:-9}
-[ "$molecule_lab" = "${HSX_LAB_ID:-}" ] && molecule_lab=8
-lane2_log=.cache/lane2.log
-lane2_tests=tests/integration/test_rollout.py
-provision_tests=tests/integration/test_provision.py  # in lane 2 to balance the lanes (~2.5 min)
+pick_lab() {  # a lab digit no other lane of this run uses
+    local want=$1; shift
+    for d in "$want" 8 6 5 4 3 2 1; do
+        case " $* " in *" $d "*) ;; *) echo "$d"; return ;; esac
+    done
+}
+molecule_lab=$(pick_lab "${HSX_MOLECULE_LAB_ID:-9}" "${HSX_LAB_ID:-}")
+fleet_lab=$(pick_lab "${HSX_FLEET_LAB_ID:-7}" "${HSX_LAB_ID:-}" "$molecule_lab")
+rollout_tests=tests/integration/test_rollout.py
 collection_tests=tests/integration/test_collection.py
-# The fleet (issue #39: 3 lab hosts, one powered off, takeover): 4 min 41 s alone, ~7.7 min with
-# other lab tests beside it, on 2 cores (deploying the 3 hosts is ~3 min of it). In lane 2, after the provision test; movable as a whole
-# (drop its --ignore below to run it in the pytest lane instead).
-fleet_tests=tests/integration/test_fleet.py
-lane2_pid=
+lane2_tests=("$rollout_tests")
+lane3_tests=(tests/integration/test_fleet.py tests/integration/test_provision.py)
+lane_pids=()
 cleanup() {
-    if [ -n "$lane2_pid" ] && kill -0 "$lane2_pid" 2>/dev/null; then
-        pkill -TERM -P "$lane2_pid" 2>/dev/null; kill "$lane2_pid" 2>/dev/null
-    fi
-    .venv/bin/python tests/lab/lab.py down >/dev/null 2>&1 || true
-    HSX_LAB_ID=$molecule_lab .venv/bin/python tests/lab/lab.py down >/dev/null 2>&1 || true
+    for pid in "${lane_pids[@]}"; do
+        if kill -0 "$pid" 2>/dev/null; then pkill -TERM -P "$pid" 2>/dev/null; kill "$pid" 2>/dev/null; fi
+    done
+    for lab in "${HSX_LAB_ID:-}" "$molecule_lab" "$fleet_lab"; do
+        HSX_LAB_ID=$lab .venv/bin/python tests/lab/lab.py down >/dev/null 2>&1 || true
+    done
 }
 trap cleanup EXIT
 status=0
@@ -36,36 +44,49 @@ stage() {
     "$@" || { echo "=== FAILED: $*"; status=1; }
     echo "=== $name: $((SECONDS - t0)) s"
 }
+pytest_stage() {  # one test module, its slowest steps listed
+    stage "$1" .venv/bin/pytest "$1" -q -p no:cacheprovider --durations=5
+}
 
-# Controller-side assets both lanes use, built once before they start.
+# Controller-side assets every lane uses, built once before they start.
 stage "setup: wheelhouse" .venv/bin/hsx wheelhouse .cache/wheelhouse  # the lab's (inventory/lab)
 
 mkdir -p .cache
-echo "=== lane 2: molecule, $lane2_tests, the collection, beside pytest on lab $molecule_lab (log: $lane2_log)"
+echo "=== lane 2 on lab $molecule_lab: molecule, ${lane2_tests[*]}, the collection (log: .cache/lane2.log)"
 (
     export HSX_LAB_ID=$molecule_lab
     status=0
     stage molecule tests/molecule/run.sh
-    stage "$lane2_tests" .venv/bin/pytest "$lane2_tests" -q -p no:cacheprovider --durations=5
-    stage "$provision_tests" .venv/bin/pytest "$provision_tests" -q -p no:cacheprovider --durations=5
-    stage "$fleet_tests" .venv/bin/pytest "$fleet_tests" -q -p no:cacheprovider --durations=5
+    for t in "${lane2_tests[@]}"; do pytest_stage "$t"; done
     stage "collection: ansible-test sanity" tools/collection/sanity.sh
-    stage "$collection_tests" .venv/bin/pytest "$collection_tests" -q -p no:cacheprovider
+    pytest_stage "$collection_tests"
     exit $status
-) >"$lane2_log" 2>&1 &
-lane2_pid=$!
+) >.cache/lane2.log 2>&1 &
+lane_pids+=($!)
+echo "=== lane 3 on lab $fleet_lab: ${lane3_tests[*]} (log: .cache/lane3.log)"
+(
+    export HSX_LAB_ID=$fleet_lab
+    status=0
+    for t in "${lane3_tests[@]}"; do pytest_stage "$t"; done
+    exit $status
+) >.cache/lane3.log 2>&1 &
+lane_pids+=($!)
 
 stage "lint: ruff" .venv/bin/ruff check .
 stage "lint: ansible-lint (production profile)" .venv/bin/ansible-lint --profile production -q
+ignores=()
+for t in "${lane2_tests[@]}" "$collection_tests" "${lane3_tests[@]}"; do ignores+=(--ignore="$t"); done
 stage "pytest: unit + integration" .venv/bin/pytest tests/unit tests/integration -q -p no:cacheprovider \
-    --durations=12 --ignore="$lane2_tests" --ignore="$provision_tests" --ignore="$collection_tests" \
-    --ignore="$fleet_tests"
+    --durations=12 "${ignores[@]}"
 
-echo "=== lane 2 (lab $molecule_lab): molecule, $lane2_tests, the collection"
-wait "$lane2_pid"
-lane2_rc=$?
-lane2_pid=
-cat "$lane2_log"
+for lane in 2 3; do
+    pid=${lane_pids[$((lane - 2))]}
+    wait "$pid"
+    rc=$?
+    echo "=== lane $lane"
+    cat ".cache/lane$lane.log"
+    [ "$rc" -eq 0 ] || { echo "=== FAILED: lane $lane (.cache/lane$lane.log)"; status=1; }
+done
+lane_pids=()
 echo "=== run_all.sh: $SECONDS s"
-[ "$lane2_rc" -eq 0 ] || { echo "=== FAILED: lane 2 (molecule, $lane2_tests or the collection)"; status=1; }
 exit $status
