@@ -11,6 +11,7 @@ second copy in git. One source, two layouts:
     filter_plugins/*.yml            ->   plugins/filter/*.yml     the filters' docs; filter names -> FQCN
     roles/**                        ->   roles/**                 links followed; filter names -> FQCN
     playbooks/**                    ->   playbooks/**             filter names -> FQCN
+    extensions/eda/**               ->   extensions/eda/**        the self-healing rulebook and its remedy wrapper
     LICENSE, tools/collection/{galaxy.yml.in,README.md,runtime.yml,config.yml} -> the collection's own
     changelogs/{config.yaml,changelog.yaml,fragments/} ->   changelogs/**  and CHANGELOG.md generated
     (generated) tests/sanity/ignore-2.19.txt: the host-side python3 scripts' shebangs (sanity_ignores)
@@ -247,6 +248,7 @@ def build(out: Path, check_changelog: bool = True) -> Path:
     _copy_tree(ROOT / "filter_plugins", coll / "plugins" / "filter", names)  # the docs' examples name FQCNs
     _copy_tree(ROOT / "roles", coll / "roles", names)
     _copy_tree(ROOT / "playbooks", coll / "playbooks", names)
+    _copy_tree(ROOT / "extensions", coll / "extensions", names)  # the self-healing rulebook and its remedy wrapper
     shutil.copy2(ROOT / "LICENSE", coll / "LICENSE")
     (coll / "galaxy.yml").write_text(_galaxy_yml(version))
     (coll / "README.md").write_text(_template("README.md", version))
