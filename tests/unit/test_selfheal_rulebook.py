@@ -1,8 +1,8 @@
 """The self-healing rulebook's decisions (extensions/eda/rulebooks/selfheal.yml), by the real
 ansible-rulebook (drools on Java): Alertmanager's webhook payloads posted to its webhook source; which
 remedy runs on which host is recorded by stand-in remedy playbooks (a checkout whose recover.yml and
-playbooks/takeover.yml only write down what they were asked to do, on localhost connections). The real
-remedy wrapper (extensions/eda/playbooks/selfheal_remedy.yml) imports them. Alertmanager's payload
+playbooks/takeover.yml only write down what they were asked to do, on localhost connections), which
+the real remedy wrapper (extensions/eda/playbooks/selfheal_remedy.yml) runs in place. Alertmanager's payload
 shape: DESIGN.md section 10. The lab test (tests/integration/test_self_healing.py) runs the real
 recover.yml end to end; this one is also the takeover rule's only test (its playbook is another issue's)."""
 
@@ -67,6 +67,7 @@ def rulebook(tmp_path: Path):
                 project / "extensions" / "eda" / "playbooks")
     (project / "recover.yml").write_text(RECORDER.format(what="recover", record=record))
     (project / "playbooks" / "takeover.yml").write_text(RECORDER.format(what="takeover", record=record))
+    (project / "ansible.cfg").write_text("[defaults]\n")
     (tmp_path / "hosts.ini").write_text(f"[extraction_nodes]\nnode-1\nnode-2\n[all:vars]\nansible_python_interpreter={sys.executable}\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -75,7 +76,7 @@ def rulebook(tmp_path: Path):
                PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_LOCALHOST_WARNING="0")
     (tmp_path / "vars.yml").write_text(f"hsx_selfheal_port: {port}\n")
     log = open(tmp_path / "rulebook.log", "wb")  # noqa: SIM115 - the process's, closed with it
-    proc = subprocess.Popen([str(BIN / "ansible-rulebook"), "-r", str(RULEBOOK), "-E", "HSX_PROJECT_DIR",
+    proc = subprocess.Popen([str(BIN / "ansible-rulebook"), "-r", str(RULEBOOK), "-E", "HSX_PROJECT_DIR,ANSIBLE_INVENTORY",
                              "--vars", str(tmp_path / "vars.yml")], cwd=tmp_path, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     try:
@@ -112,6 +113,9 @@ def test_each_remedy_runs_on_the_alerts_host_only_once_per_window(rulebook) -> N
     post(port, alert("resolved", "node-1", "recover"))
     post(port, alert("firing", None, "recover"))
     post(port, alert("firing", "node-1", None, name="HsxSelfHealGaveUp"))
+    # Not acted on: a "host" that is a pattern, or a group of the inventory.
+    post(port, alert("firing", "node-*", "recover"))
+    post(port, alert("firing", "extraction_nodes", "takeover", "HsxSelfHealNodeDown"))
     # Acted on: one notification of two alerts, split into two events.
     post(port, alert("firing", "node-1", "recover"), alert("firing", "node-2", "takeover", "HsxSelfHealNodeDown"))
     lines = wait_lines(record, 2)
