@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from labctl import REPO, _lab_module, wait_for
+from labctl import REPO, wait_for
 from test_monitoring import Prometheus, free_port
 
 BIN = Path(sys.executable).parent
@@ -77,8 +77,7 @@ def _start(stack: Stack, name: str, argv: list[str], env: dict[str, str] | None 
 def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Path) -> Stack:
     """Prometheus scraping `targets` ({inventory name: address}; the name as the target label hsx_host),
     Alertmanager routing to the rulebook, and the rulebook, whose remedies read `inventory` (its
-    sources: the lab's dynamic one first) and write their reports in `report_dir`. The rulebook's own
-    inventory (it copies it, and reads only the host names) is a static copy of the lab's."""
+    sources: the lab's dynamic one first) and write their reports in `report_dir`."""
     am_port, prom_port, hook_port = free_port(), free_port(), free_port()
     (d / "hsx-selfheal.rules.yml").write_text(
         edited((FILES / "hsx-selfheal.rules.yml").read_text(), RULE_EDITS, "hsx-selfheal.rules.yml"))
@@ -97,14 +96,17 @@ def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Pa
     (d / "selfheal.yml").write_text(edited(RULEBOOK.read_text(), RULEBOOK_EDITS, "selfheal.yml"))
     (d / "selfheal-vars.yml").write_text(yaml.safe_dump({"hsx_selfheal_port": hook_port,
                                                          "hsx_selfheal_report_dir": str(report_dir),
-                                                         "hsx_selfheal_inventory": ":".join(inventory)}))
-    _lab_module().write_inventory(d / "rulebook-inventory.json")
+                                                         "hsx_selfheal_inventory": ":".join(inventory),
+                                                         "hsx_selfheal_max_failures": MAX_FAILURES}))
+    # The rulebook's inventory (it copies it, and reads only the host names from it): a static list.
+    (d / "rulebook-inventory.yml").write_text(yaml.safe_dump(
+        {"all": {"children": {"extraction_nodes": {"hosts": {name: None for name in targets}}}}}))
     stack = Stack(d, Prometheus(f"http://127.0.0.1:{prom_port}"))
     _start(stack, "alertmanager", ["prometheus-alertmanager", f"--config.file={d / 'alertmanager.yml'}",
                                    f"--storage.path={d / 'am-data'}", f"--web.listen-address=127.0.0.1:{am_port}",
                                    "--cluster.listen-address="])
     env = dict(os.environ, HSX_PROJECT_DIR=str(REPO),
-               ANSIBLE_INVENTORY=str(d / "rulebook-inventory.json"), PATH=f"{BIN}:{os.environ['PATH']}",
+               ANSIBLE_INVENTORY=str(d / "rulebook-inventory.yml"), PATH=f"{BIN}:{os.environ['PATH']}",
                ANSIBLE_FORCE_COLOR="0", ANSIBLE_NOCOLOR="1")
     stack.rulebook_log = _start(stack, "rulebook", [str(BIN / "ansible-rulebook"), "-r", str(d / "selfheal.yml"),
                                                     "-E", "HSX_PROJECT_DIR,ANSIBLE_INVENTORY", "--vars", str(d / "selfheal-vars.yml")],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -126,3 +127,38 @@ def test_each_remedy_runs_on_the_alerts_host_only_once_per_window(rulebook) -> N
     lines = record.read_text().splitlines()
     assert sorted(lines) == [f"recover node-1 True {project}/reports", f"takeover node-2 True {project}/reports"], \
         log.read_text()[-4000:]
+
+
+def _guard(tmp_path: Path, failures: int | None, *extra: str) -> subprocess.CompletedProcess:
+    """playbooks/shared/selfheal_guard.yml (recover.yml's first play after the target check) on this machine."""
+    textfile = tmp_path / "textfile"
+    textfile.mkdir(exist_ok=True)
+    if failures is not None:
+        (textfile / "hsx-recover.prom").write_text(f"hsx_recover_success 0\nhsx_recover_automatic_failures {failures}\n")
+    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(REPO / "roles"), ANSIBLE_NOCOLOR="1", ANSIBLE_LOCALHOST_WARNING="0")
+    args = {"hsx_target": "localhost", "hsx_become": False, "hsx_metrics_textfile_dir": str(textfile),
+            "ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    return subprocess.run([str(BIN / "ansible-playbook"), "-i", "localhost,", str(REPO / "playbooks/shared/selfheal_guard.yml"),
+                           "-e", json.dumps(args), *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_recover_yml_refuses_an_automatic_run_at_the_limit_and_never_a_persons(tmp_path: Path) -> None:
+    auto = ["-e", "hsx_selfheal=true", "-e", "hsx_selfheal_max_failures=2"]
+    refused = _guard(tmp_path, 2, *auto)
+    assert refused.returncode != 0 and "self-healing leaves this host alone: its last 2 automatic" in refused.stdout, \
+        refused.stdout[-3000:]
+    for failures, args in [(1, auto), (None, auto), (5, ["-e", "hsx_selfheal=false"]), (5, [])]:
+        if failures is None:
+            (tmp_path / "textfile" / "hsx-recover.prom").unlink(missing_ok=True)
+        run = _guard(tmp_path, failures, *args)
+        assert run.returncode == 0 and "changed=0" in run.stdout, (failures, args, run.stdout[-3000:])
+
+
+def test_the_give_up_threshold_is_one_number_everywhere() -> None:
+    """The alert rules' threshold, the rulebook's and the wrapper's default, recover.yml's guard: all 3."""
+    rules = (REPO / "roles/monitoring/files/hsx-selfheal.rules.yml").read_text()
+    assert re.findall(r"hsx_recover_automatic_failures >= (\d+)", rules) == ["3"] * 4
+    for path in ("extensions/eda/rulebooks/selfheal.yml", "extensions/eda/playbooks/selfheal_remedy.yml",
+                 "playbooks/shared/selfheal_guard.yml"):
+        found = set(re.findall(r"hsx_selfheal_max_failures \| default\((\d+)\)", (REPO / path).read_text()))
+        assert found == {"3"}, (path, found)
