@@ -28,7 +28,7 @@ SCRAPE_S = 1
 STALL_S = 30  # no shard for this long: stalled (production 300)
 STALL_FOR_S = 3  # the alert's for: (production 1m)
 MAX_FAILURES = 2  # failed automatic recoveries before a person is asked (production 3)
-GROUP_WAIT_S = 1  # Alertmanager (production 30s)
+GROUP_WAIT_S = 1  # Alertmanager (production 10s)
 REPEAT_S = 5  # Alertmanager re-posts a firing alert (production 15m)
 WINDOW_S = 45  # the rulebook's once_within per host (production 15 minutes)
 
