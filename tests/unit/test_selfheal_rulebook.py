@@ -24,15 +24,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 RULEBOOK = REPO / "extensions" / "eda" / "rulebooks" / "selfheal.yml"
+# recover.yml runs with --limit HOST; playbooks/takeover.yml on the fleet with -e hsx_takeover_host=HOST.
 RECORDER = """
 - name: Stand-in remedy ({what}), writing down what it was asked to do
-  hosts: all
+  hosts: {hosts}
   connection: local
   gather_facts: false
   tasks:
     - name: Record
-      ansible.builtin.shell: "echo '{what} {{{{ inventory_hostname }}}} {{{{ hsx_selfheal }}}} {{{{ hsx_report_dir }}}}' >> {record}"
+      ansible.builtin.shell: "echo '{what} {{{{ {who} }}}} {{{{ hsx_selfheal }}}} {{{{ hsx_report_dir }}}}' >> {record}"
       changed_when: true
+      run_once: true
 """
 
 
@@ -66,8 +68,9 @@ def rulebook(tmp_path: Path):
     (project / "playbooks").mkdir()
     shutil.copy(REPO / "extensions" / "eda" / "playbooks" / "selfheal_remedy.yml",
                 project / "extensions" / "eda" / "playbooks")
-    (project / "recover.yml").write_text(RECORDER.format(what="recover", record=record))
-    (project / "playbooks" / "takeover.yml").write_text(RECORDER.format(what="takeover", record=record))
+    (project / "recover.yml").write_text(RECORDER.format(what="recover", hosts="all", who="ansible_limit", record=record))
+    (project / "playbooks" / "takeover.yml").write_text(
+        RECORDER.format(what="takeover", hosts="localhost", who="hsx_takeover_host", record=record))
     (project / "ansible.cfg").write_text("[defaults]\n")
     (tmp_path / "hosts.ini").write_text(f"[extraction_nodes]\nnode-1\nnode-2\n[all:vars]\nansible_python_interpreter={sys.executable}\n")
     with socket.socket() as s:
