@@ -153,8 +153,9 @@ def test_monitoring_role_moves_the_textfile_dir_checks_first_and_changes_nothing
         assert first.rc == 0, first.output[-3000:]
         assert "--collector.textfile.directory=/var/lib/hsx-textfile" in lab_ssh(
             HOST, "grep ^ARGS= /etc/default/prometheus-node-exporter").stdout
-        installed = lab_ssh(HOST, "sha256sum /etc/prometheus/rules/hsx.rules.yml").stdout.split()[:1]
-        assert installed == [hashlib.sha256(RULES.read_bytes()).hexdigest()]
+        for rules in (RULES, RULES.with_name("hsx-selfheal.rules.yml")):  # the self-healing alerts beside them
+            installed = lab_ssh(HOST, f"sha256sum /etc/prometheus/rules/{rules.name}").stdout.split()[:1]
+            assert installed == [hashlib.sha256(rules.read_bytes()).hexdigest()], rules.name
         lab_ssh(HOST, "cp /var/lib/prometheus/node-exporter/hsx-*.prom /var/lib/hsx-textfile/")
         moved_files = f'node_textfile_mtime_seconds{{instance="{instance}",file=~"/var/lib/hsx-textfile/hsx-.*"}}'
         wait_for(lambda: p.value(moved_files) is not None, 60, "node_exporter (restarted) to read the new directory")

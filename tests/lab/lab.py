@@ -62,10 +62,14 @@ ROOTFS_PACKAGES = [
 CONTROL_PACKAGES = {"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container",
                     "ssh": "openssh-client", "ssh-keygen": "openssh-client",
                     "mkfs.ext4": "e2fsprogs", "ip": "iproute2",
-                    "promtool": "prometheus", "prometheus": "prometheus"}
+                    "promtool": "prometheus", "prometheus": "prometheus",
+                    # The self-healing loop (tests/integration/test_self_healing.py): Alertmanager and
+                    # the Java runtime ansible-rulebook's rule engine (drools_jpy) needs.
+                    "prometheus-alertmanager": "prometheus-alertmanager", "amtool": "prometheus-alertmanager",
+                    "java": "openjdk-17-jre-headless"}
 # Installed without their recommends: prometheus would bring a node_exporter and its collectors'
 # timers to the control node, which runs only the test's own server.
-NO_RECOMMENDS = {"prometheus"}
+NO_RECOMMENDS = {"prometheus", "prometheus-alertmanager", "openjdk-17-jre-headless"}
 # Units that cannot work inside a container and would only make the host "degraded".
 MASKED_UNITS = ["console-getty.service", "getty@.service", "systemd-remount-fs.service",
                 "systemd-timesyncd.service", "apt-daily.timer", "apt-daily-upgrade.timer",

@@ -1,6 +1,8 @@
 """The recovery's metrics (roles/recover_report, tasks/metrics.yml): the real tasks, run by
 ansible-playbook on this machine with the facts a recovery leaves, write hsx-recover.prom that
-`promtool check metrics` passes and that says what happened; a link at its name is replaced."""
+`promtool check metrics` passes and that says what happened; a link at its name is replaced. Failed
+automatic recoveries (the self-healing rulebook's: hsx_selfheal=true) are counted in the file across
+runs, and a recovery that succeeds sets the count back to 0."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ PLAY = """
     - name: A failure, when asked
       ansible.builtin.set_fact:
         recover_report_failed_stage: 'job "x"'
+        recover_report_failed_msg: "GPU health gate failed: GPU 3: \\"2\\" uncorrectable\\nECC"
       when: failed | bool
     - name: The metrics
       ansible.builtin.include_role:
@@ -45,12 +48,12 @@ PLAY = """
 """
 
 
-def write_metrics(tmp_path: Path, failed: bool) -> subprocess.CompletedProcess:
+def write_metrics(tmp_path: Path, failed: bool, automatic: bool = False) -> subprocess.CompletedProcess:
     (tmp_path / "play.yml").write_text(PLAY)
     env = dict(os.environ, ANSIBLE_ROLES_PATH=str(REPO / "roles"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_LOCALHOST_WARNING="0", ANSIBLE_INVENTORY_UNPARSED_WARNING="0")
     extra = json.dumps({"hsx_metrics_textfile_dir": str(tmp_path / "textfile"), "failed": failed,
-                        "ansible_python_interpreter": sys.executable})
+                        "hsx_selfheal": automatic, "ansible_python_interpreter": sys.executable})
     return subprocess.run([str(BIN / "ansible-playbook"), "-i", "localhost,", str(tmp_path / "play.yml"), "-e", extra],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
@@ -78,7 +81,9 @@ def test_recovery_metrics_are_written_and_clean(tmp_path: Path, failed: bool) ->
     assert got["hsx_recover_success"][1] == (0 if failed else 1)
     assert ("hsx_recover_failed_stage" in got) == failed
     if failed:
-        assert got["hsx_recover_failed_stage"][0] == {"stage": 'job "x"'}
+        assert got["hsx_recover_failed_stage"][0] == {"stage": 'job "x"',
+                                                      "reason": 'GPU health gate failed: GPU 3: "2" uncorrectable ECC'}
+    assert got["hsx_recover_automatic"][1] == 0 and got["hsx_recover_automatic_failures"][1] == 0
     assert got["hsx_recover_shards_bad"][1] == 3 and got["hsx_recover_shards_missing"][1] == 1
     assert got["hsx_recover_shards_quarantined"][1] == 3
     assert got["hsx_recover_units_stopped"][1] == 2 and got["hsx_recover_gpu_processes_ended"][1] == 1
@@ -91,3 +96,18 @@ def test_no_textfile_directory_no_metrics_and_no_failure(tmp_path: Path) -> None
     assert run.returncode == 0, run.stdout[-3000:]
     assert "is not a directory: no recovery metrics" in run.stdout
     assert not (tmp_path / "textfile").exists()
+
+
+def test_failed_automatic_recoveries_are_counted_until_one_succeeds(tmp_path: Path) -> None:
+    """What hsx-selfheal.rules.yml reads to leave a host alone: +1 per failed automatic recovery, a
+    person's failed one leaves the count, any success sets it to 0."""
+    (tmp_path / "textfile").mkdir()
+    prom = tmp_path / "textfile" / "hsx-recover.prom"
+    counts = []
+    for failed, automatic in [(True, True), (True, True), (True, False), (True, True), (False, True), (True, True)]:
+        run = write_metrics(tmp_path, failed, automatic)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+        got = values(prom.read_text())
+        assert got["hsx_recover_automatic"][1] == (1 if automatic else 0)
+        counts.append(got["hsx_recover_automatic_failures"][1])
+    assert counts == [1, 2, 2, 3, 0, 1]

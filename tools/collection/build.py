@@ -12,6 +12,7 @@ second copy in git. One source, two layouts:
     doc_fragments/*.py              ->   plugins/doc_fragments/*.py  verbatim (modules name them by FQCN)
     roles/**                        ->   roles/**                 links followed; filter names -> FQCN
     playbooks/**                    ->   playbooks/**             filter names -> FQCN
+    extensions/eda/**               ->   extensions/eda/**        the self-healing rulebook and its remedy wrapper
     LICENSE, tools/collection/{galaxy.yml.in,README.md,runtime.yml,config.yml} -> the collection's own
     tools/collection/{execution-environment.yml,requirements.txt.in} -> meta/, requirements.txt: what
         the control node needs (the hsx package, pinned to this version), where ansible-builder reads it
@@ -251,6 +252,7 @@ def build(out: Path, check_changelog: bool = True) -> Path:
     shutil.copytree(ROOT / "doc_fragments", coll / "plugins" / "doc_fragments", ignore=SKIP)
     _copy_tree(ROOT / "roles", coll / "roles", names)
     _copy_tree(ROOT / "playbooks", coll / "playbooks", names)
+    _copy_tree(ROOT / "extensions", coll / "extensions", names)  # the self-healing rulebook and its remedy wrapper
     shutil.copy2(ROOT / "LICENSE", coll / "LICENSE")
     (coll / "galaxy.yml").write_text(_galaxy_yml(version))
     (coll / "README.md").write_text(_template("README.md", version))

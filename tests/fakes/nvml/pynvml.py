@@ -103,3 +103,17 @@ def nvmlDeviceGetPcieReplayCounter(h):
 
 def nvmlDeviceGetTemperature(h, sensor):
     return h["temp"]
+
+
+# What the gpu_processes module (roles/gpu_reclaim's freeing step) reads: an idle recorded GPU, so that a
+# recovery on a host with this fake installed (tests/integration/test_self_healing.py) reaches the gate.
+def nvmlDeviceGetMemoryInfo(h):
+    return type("Memory", (), {"used": h.get("memory_used", 0), "total": h.get("memory_total", 85520809984)})
+
+
+def nvmlDeviceGetUtilizationRates(h):
+    return type("Utilization", (), {"gpu": h.get("utilization", 0), "memory": 0})
+
+
+def nvmlDeviceGetComputeRunningProcesses(h):
+    return []
