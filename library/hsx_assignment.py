@@ -134,12 +134,20 @@ moved:
     returned: success
 """
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.hsx.assignfile import AssignmentFileError, read_assignment, write_assignment
+from ansible.module_utils.hsx.assignfile import (
+    AssignmentFileError,
+    assignment_lock,
+    check_unchanged,
+    read_assignment,
+    write_assignment,
+)
 from ansible.module_utils.hsx.buckets import (
     AssignError,
     derive_assignment,
@@ -161,12 +169,37 @@ def _spec_set(spec: str, buckets: int, what: str) -> set[int]:
         raise AssignmentFileError(f"{what}: {e}") from None
 
 
+@contextlib.contextmanager
+def _one_at_a_time(path: str, check_mode: bool) -> Iterator[None]:
+    """The file's lock around a read -> plan -> write (hsx.assignfile); none in check mode, which writes nothing."""
+    if check_mode:
+        yield
+        return
+    with assignment_lock(path):
+        yield
+
+
+def _write(path: str, new: dict[str, Any], read: dict[str, Any] | None) -> None:
+    """Write `new` unless the file changed since `read` was read (a writer that took no lock)."""
+    check_unchanged(path, read)
+    write_assignment(path, new)
+
+
 def resolve(
     path: str, hosts: list[str], buckets: int, check_mode: bool, create: bool = True, rebalance: bool = False,
     started: str = "", answered: list[str] | None = None,
 ) -> tuple[dict[str, Any], bool, list[str], dict[str, str]]:
     """(assignment, changed, warnings, moved): the file's assignment, made from `hosts` when there is
-    none (AssignmentFileError then unless `create`); new hosts added by a rebalance when asked."""
+    none (AssignmentFileError then unless `create`); new hosts added by a rebalance when asked. The
+    read -> write holds the file's lock."""
+    with _one_at_a_time(path, check_mode):
+        return _resolve(path, hosts, buckets, check_mode, create, rebalance, started, answered)
+
+
+def _resolve(
+    path: str, hosts: list[str], buckets: int, check_mode: bool, create: bool, rebalance: bool,
+    started: str, answered: list[str] | None,
+) -> tuple[dict[str, Any], bool, list[str], dict[str, str]]:
     recorded = read_assignment(path)
     if recorded is None and not create:
         raise AssignmentFileError(
@@ -182,7 +215,7 @@ def resolve(
             raise AssignmentFileError(f"cannot derive the assignment for {path}: {e}") from None
         assignment = {"buckets": buckets, "created": _now(), "epoch": 0, "hosts": made, "retired": [], "history": []}
         if not check_mode:
-            write_assignment(path, assignment)
+            _write(path, assignment, recorded)
         return assignment, True, [], {}
     if recorded["buckets"] != buckets:
         raise AssignmentFileError(
@@ -204,7 +237,7 @@ def resolve(
         except AssignError as e:
             raise AssignmentFileError(f"{path}: {e}") from None
         if not check_mode:
-            write_assignment(path, changed_to)
+            _write(path, changed_to, recorded)
         return changed_to, True, [], {h: format_ranges(b) for h, b in gets.items()}
     if new:
         raise AssignmentFileError(
@@ -226,7 +259,15 @@ def resolve(
 def takeover(
     path: str, host: str, finished: str, live: list[str], check_mode: bool
 ) -> tuple[dict[str, Any], bool, dict[str, str]]:
-    """(assignment, changed, moved): `host`'s unfinished buckets moved to `live` (hsx.fleetplan)."""
+    """(assignment, changed, moved): `host`'s unfinished buckets moved to `live` (hsx.fleetplan); the
+    read -> write holds the file's lock."""
+    with _one_at_a_time(path, check_mode):
+        return _takeover(path, host, finished, live, check_mode)
+
+
+def _takeover(
+    path: str, host: str, finished: str, live: list[str], check_mode: bool
+) -> tuple[dict[str, Any], bool, dict[str, str]]:
     recorded = read_assignment(path)
     if recorded is None:
         raise AssignmentFileError(f"{path}: no assignment to take {host} over from (the fleet has no derived split)")
@@ -237,7 +278,7 @@ def takeover(
         raise AssignmentFileError(f"{path}: {e}") from None
     changed = new is not recorded
     if changed and not check_mode:
-        write_assignment(path, new)
+        _write(path, new, recorded)
     return new, changed, {h: format_ranges(b) for h, b in moves.items()}
 
 
