@@ -20,7 +20,8 @@ description:
       O(hosts) is a warning (its buckets stay its own).
     - With O(takeover) a host's unfinished buckets move to O(live_hosts) (module_utils C(hsx.fleetplan)); it keeps
       only those O(finished) names, is recorded in C(retired), C(epoch) grows and C(history) says what moved
-      where. A second takeover of the same host changes nothing.
+      where. A second takeover of the same host changes nothing while what it kept still reads finished
+      (O(finished)); kept buckets that no longer do (its disk died, it cannot be reached) move too.
     - With O(rebalance) hosts of O(hosts) the file does not name are added, taking only buckets no node has
       started (not in O(started)); without it such a host fails the task, so an inventory typo never moves work.
     - Runs on the control node (C(delegate_to=localhost), C(run_once), C(become=false)). Check mode writes
