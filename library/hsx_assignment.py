@@ -16,8 +16,8 @@ description:
       pretty JSON a person can read (C(buckets), C(created), C(hosts) mapping each host to its ranges).
     - When it exists it is read (never through a link, only a regular file), checked (every bucket on exactly one
       host) and returned as it is; it is never derived again. A host of O(hosts) it does not name fails the task
-      (it would run nothing; adding hosts is a rebalance, a later item of issue 39); a host it names that is not in
-      O(hosts) is a warning (its buckets stay its own).
+      (it would run nothing) unless O(rebalance) adds it (below); a host it names that is not in O(hosts) is a
+      warning (its buckets stay its own).
     - With O(takeover) a host's unfinished buckets move to O(live_hosts) (module_utils C(hsx.fleetplan)); it keeps
       only those O(finished) names, is recorded in C(retired), C(epoch) grows and C(history) says what moved
       where. A second takeover of the same host changes nothing while what it kept still reads finished
@@ -114,7 +114,9 @@ created:
     type: str
     returned: success
 new_hosts:
-    description: Hosts of O(hosts) the file does not name (always empty, since the task fails when there are any).
+    description:
+        - Hosts of O(hosts) the returned assignment does not name. Empty without O(takeover) (such a host fails the
+          task, or O(rebalance) adds it); with O(takeover), the play's hosts waiting for a rebalance (they take nothing).
     type: list
     returned: success
 gone_hosts:
