@@ -116,7 +116,8 @@ created:
 new_hosts:
     description:
         - Hosts of O(hosts) the returned assignment does not name. Empty without O(takeover) (such a host fails the
-          task, or O(rebalance) adds it); with O(takeover), the play's hosts waiting for a rebalance (they take nothing).
+          task, or O(rebalance) adds it); with O(takeover), the play's hosts waiting for a rebalance, only when nothing
+          moved (one among O(live_hosts) fails a takeover that moves buckets: rebalance it in first).
     type: list
     returned: success
 gone_hosts:
