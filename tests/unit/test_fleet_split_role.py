@@ -97,3 +97,17 @@ def test_explicit_shards_win_and_a_fleet_of_one_runs_everything(tmp_path) -> Non
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "assign" not in config(tmp_path / "one", "n1")
     assert json.loads((tmp_path / "one" / "fleet" / "assignment.json").read_text())["hosts"] == {"n1": "0-1023"}
+
+
+def test_a_rebalance_needs_every_host_read_and_an_unreadable_index_is_not_an_answer(tmp_path) -> None:
+    """#39 review 5: n2's output has an index that cannot be read (a link, never followed): its
+    started buckets are unknown, so it did not answer and nothing moves."""
+    outputs = str(tmp_path) + "/{{ inventory_hostname }}/out"
+    assert play(tmp_path, ["n1", "n2"], hsx_output_dir=outputs).returncode == 0
+    before = (tmp_path / "fleet" / "assignment.json").read_bytes()
+    (tmp_path / "n2" / "out").mkdir()
+    (tmp_path / "n2" / "out" / "run.json").write_text('{"buckets": 1024}')
+    (tmp_path / "n2" / "out" / "index.jsonl").symlink_to(tmp_path / "elsewhere")
+    proc = play(tmp_path, ["n1", "n2", "n3"], "-e", "hsx_rebalance=true", hsx_output_dir=outputs)
+    assert proc.returncode != 0 and "cannot rebalance: host(s) n2 did not answer" in " ".join(proc.stdout.split())
+    assert (tmp_path / "fleet" / "assignment.json").read_bytes() == before
