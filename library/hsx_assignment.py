@@ -117,7 +117,7 @@ new_hosts:
     description:
         - Hosts of O(hosts) the returned assignment does not name. Empty without O(takeover) (such a host fails the
           task, or O(rebalance) adds it); with O(takeover), the play's hosts waiting for a rebalance, only when nothing
-          moved (one among O(live_hosts) fails a takeover that moves buckets: rebalance it in first).
+          moved (one among O(live_hosts) fails a takeover that moves buckets; rebalance it in first).
     type: list
     returned: success
 gone_hosts:
@@ -189,13 +189,24 @@ def _write(path: str, new: dict[str, Any], read: dict[str, Any] | None) -> None:
     write_assignment(path, new)
 
 
+def _not_made_here(path: str, hosts: list[str]) -> AssignmentFileError:
+    return AssignmentFileError(
+        f"{path}: no assignment yet, and this play runs on part of the fleet (--limit): one made from "
+        f"{', '.join(hosts) or 'no host'} alone would give every other host nothing. Run the play once "
+        "without --limit to make it (with --check first to see it), or set hsx_assignment_file: '' for no "
+        "derived split"
+    )
+
+
 def resolve(
     path: str, hosts: list[str], buckets: int, check_mode: bool, create: bool = True, rebalance: bool = False,
     started: str = "", answered: list[str] | None = None,
 ) -> tuple[dict[str, Any], bool, list[str], dict[str, str]]:
     """(assignment, changed, warnings, moved): the file's assignment, made from `hosts` when there is
     none (AssignmentFileError then unless `create`); new hosts added by a rebalance when asked. The
-    read -> write holds the file's lock."""
+    read -> write holds the file's lock (none is made where no file may be made)."""
+    if not create and read_assignment(path) is None:
+        raise _not_made_here(path, hosts)
     with _one_at_a_time(path, check_mode):
         return _resolve(path, hosts, buckets, check_mode, create, rebalance, started, answered)
 
@@ -206,12 +217,7 @@ def _resolve(
 ) -> tuple[dict[str, Any], bool, list[str], dict[str, str]]:
     recorded = read_assignment(path)
     if recorded is None and not create:
-        raise AssignmentFileError(
-            f"{path}: no assignment yet, and this play runs on part of the fleet (--limit): one made from "
-            f"{', '.join(hosts) or 'no host'} alone would give every other host nothing. Run the play once "
-            "without --limit to make it (with --check first to see it), or set hsx_assignment_file: '' for no "
-            "derived split"
-        )
+        raise _not_made_here(path, hosts)
     if recorded is None:
         try:
             made = derive_assignment(hosts, buckets)
@@ -264,9 +270,15 @@ def takeover(
     path: str, host: str, finished: str, live: list[str], check_mode: bool
 ) -> tuple[dict[str, Any], bool, dict[str, str]]:
     """(assignment, changed, moved): `host`'s unfinished buckets moved to `live` (hsx.fleetplan); the
-    read -> write holds the file's lock."""
+    read -> write holds the file's lock (none is made where there is no file)."""
+    if read_assignment(path) is None:
+        raise _no_file_to_take_over(path, host)
     with _one_at_a_time(path, check_mode):
         return _takeover(path, host, finished, live, check_mode)
+
+
+def _no_file_to_take_over(path: str, host: str) -> AssignmentFileError:
+    return AssignmentFileError(f"{path}: no assignment to take {host} over from (the fleet has no derived split)")
 
 
 def _takeover(
@@ -274,7 +286,7 @@ def _takeover(
 ) -> tuple[dict[str, Any], bool, dict[str, str]]:
     recorded = read_assignment(path)
     if recorded is None:
-        raise AssignmentFileError(f"{path}: no assignment to take {host} over from (the fleet has no derived split)")
+        raise _no_file_to_take_over(path, host)
     done = _spec_set(finished, recorded["buckets"], f"finished buckets of {host}")
     try:
         new, moves = plan_takeover(recorded, host, done, live, _now())
