@@ -52,7 +52,8 @@ options:
     description:
       - Also read the run's buckets (issue 39) - the bucket count from C(run.json), the samples of each
         bucket from C(buckets.json) (written by the job), each bucket's done count from the index - and
-        return C(bucket_count), C(bucket_done), C(bucket_totals), C(assign) and C(finished_buckets).
+        return C(bucket_count), C(bucket_done), C(bucket_totals), C(assign), C(finished_buckets) and
+        C(buckets_error).
         Costs a hash of every indexed id.
     type: bool
     default: false
@@ -175,6 +176,12 @@ finished_buckets:
   description: Buckets whose samples are all in the index (a range list; '' when none or the totals are unknown).
   type: str
   returned: when I(buckets)
+buckets_error:
+  description:
+    - Why the host's buckets are unknown (its index could not be read), or null. C(bucket_count) is then null and
+      nothing is started or finished by this read: a rebalance or takeover counts the host as not answered.
+  type: str
+  returned: when I(buckets)
 """
 
 import datetime
@@ -235,6 +242,7 @@ class ExtractionStatus:
         self.min_done_increase = min_done_increase
         self.now = now if now is not None else time.time()
         self.index_ids: list[str] = []  # the indexed sample ids, once read() has read the index
+        self.index_error: str | None = "the index was not read"  # why not (None: read, or no output at all)
 
     def read(self) -> dict[str, Any]:
         result: dict[str, Any] = {
@@ -247,12 +255,14 @@ class ExtractionStatus:
         }
         if not result["exists"]:
             result["message"] = f"{self.output_dir} does not exist"
+            self.index_error = None  # nothing run here: nothing started, nothing finished
             return result
         try:
             index = read_index(self.output_dir)
         except OSError as e:  # a link or a FIFO at index.jsonl (never followed nor waited on), a read error
-            result["message"] = f"unreadable index: {e}"
+            result["message"] = self.index_error = f"unreadable index: {e}"
             return result
+        self.index_error = None
         self.index_ids = list(index.entries)
         result["done"] = len(index.entries)
         result["index_bad_lines"] = index.bad_lines
@@ -286,9 +296,13 @@ class ExtractionStatus:
 
     def read_buckets(self) -> dict[str, Any]:
         """The per-bucket keys (module option `buckets`) from run.json, buckets.json and the index
-        `read` loaded; nothing is counted finished without the job's own totals."""
+        `read` loaded; nothing is counted finished without the job's own totals. When `read` could not
+        read the index, which buckets are started or finished is unknown: bucket_count is None and
+        buckets_error says why (a rebalance or takeover counts the host as not answered)."""
         out: dict[str, Any] = {"bucket_count": None, "bucket_done": {}, "bucket_totals": None, "assign": None,
-                               "finished_buckets": ""}
+                               "finished_buckets": "", "buckets_error": self.index_error}
+        if self.index_error is not None:
+            return out
         try:
             count = read_manifest_dict(self.output_dir).get("buckets")
         except ManifestError:

@@ -16,11 +16,12 @@ description:
       pretty JSON a person can read (C(buckets), C(created), C(hosts) mapping each host to its ranges).
     - When it exists it is read (never through a link, only a regular file), checked (every bucket on exactly one
       host) and returned as it is; it is never derived again. A host of O(hosts) it does not name fails the task
-      (it would run nothing; adding hosts is a rebalance, a later item of issue 39); a host it names that is not in
-      O(hosts) is a warning (its buckets stay its own).
+      (it would run nothing) unless O(rebalance) adds it (below); a host it names that is not in O(hosts) is a
+      warning (its buckets stay its own).
     - With O(takeover) a host's unfinished buckets move to O(live_hosts) (module_utils C(hsx.fleetplan)); it keeps
       only those O(finished) names, is recorded in C(retired), C(epoch) grows and C(history) says what moved
-      where. A second takeover of the same host changes nothing.
+      where. A second takeover of the same host changes nothing while what it kept still reads finished
+      (O(finished)); kept buckets that no longer do (its disk died, it cannot be reached) move too.
     - With O(rebalance) hosts of O(hosts) the file does not name are added, taking only buckets no node has
       started (not in O(started)); without it such a host fails the task, so an inventory typo never moves work.
     - Runs on the control node (C(delegate_to=localhost), C(run_once), C(become=false)). Check mode writes
@@ -113,7 +114,10 @@ created:
     type: str
     returned: success
 new_hosts:
-    description: Hosts of O(hosts) the file does not name (always empty, since the task fails when there are any).
+    description:
+        - Hosts of O(hosts) the returned assignment does not name. Empty without O(takeover) (such a host fails the
+          task, or O(rebalance) adds it); with O(takeover), the play's hosts waiting for a rebalance, only when nothing
+          moved (one among O(live_hosts) fails a takeover that moves buckets; rebalance it in first).
     type: list
     returned: success
 gone_hosts:
@@ -134,12 +138,20 @@ moved:
     returned: success
 """
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.hsx.assignfile import AssignmentFileError, read_assignment, write_assignment
+from ansible.module_utils.hsx.assignfile import (
+    AssignmentFileError,
+    assignment_lock,
+    check_unchanged,
+    read_assignment,
+    write_assignment,
+)
 from ansible.module_utils.hsx.buckets import (
     AssignError,
     derive_assignment,
@@ -161,20 +173,51 @@ def _spec_set(spec: str, buckets: int, what: str) -> set[int]:
         raise AssignmentFileError(f"{what}: {e}") from None
 
 
+@contextlib.contextmanager
+def _one_at_a_time(path: str, check_mode: bool) -> Iterator[None]:
+    """The file's lock around a read -> plan -> write (hsx.assignfile); none in check mode, which writes nothing."""
+    if check_mode:
+        yield
+        return
+    with assignment_lock(path):
+        yield
+
+
+def _write(path: str, new: dict[str, Any], read: dict[str, Any] | None) -> None:
+    """Write `new` unless the file changed since `read` was read (a writer that took no lock)."""
+    check_unchanged(path, read)
+    write_assignment(path, new)
+
+
+def _not_made_here(path: str, hosts: list[str]) -> AssignmentFileError:
+    return AssignmentFileError(
+        f"{path}: no assignment yet, and this play runs on part of the fleet (--limit): one made from "
+        f"{', '.join(hosts) or 'no host'} alone would give every other host nothing. Run the play once "
+        "without --limit to make it (with --check first to see it), or set hsx_assignment_file: '' for no "
+        "derived split"
+    )
+
+
 def resolve(
     path: str, hosts: list[str], buckets: int, check_mode: bool, create: bool = True, rebalance: bool = False,
     started: str = "", answered: list[str] | None = None,
 ) -> tuple[dict[str, Any], bool, list[str], dict[str, str]]:
     """(assignment, changed, warnings, moved): the file's assignment, made from `hosts` when there is
-    none (AssignmentFileError then unless `create`); new hosts added by a rebalance when asked."""
+    none (AssignmentFileError then unless `create`); new hosts added by a rebalance when asked. The
+    read -> write holds the file's lock (none is made where no file may be made)."""
+    if not create and read_assignment(path) is None:
+        raise _not_made_here(path, hosts)
+    with _one_at_a_time(path, check_mode):
+        return _resolve(path, hosts, buckets, check_mode, create, rebalance, started, answered)
+
+
+def _resolve(
+    path: str, hosts: list[str], buckets: int, check_mode: bool, create: bool, rebalance: bool,
+    started: str, answered: list[str] | None,
+) -> tuple[dict[str, Any], bool, list[str], dict[str, str]]:
     recorded = read_assignment(path)
     if recorded is None and not create:
-        raise AssignmentFileError(
-            f"{path}: no assignment yet, and this play runs on part of the fleet (--limit): one made from "
-            f"{', '.join(hosts) or 'no host'} alone would give every other host nothing. Run the play once "
-            "without --limit to make it (with --check first to see it), or set hsx_assignment_file: '' for no "
-            "derived split"
-        )
+        raise _not_made_here(path, hosts)
     if recorded is None:
         try:
             made = derive_assignment(hosts, buckets)
@@ -182,7 +225,7 @@ def resolve(
             raise AssignmentFileError(f"cannot derive the assignment for {path}: {e}") from None
         assignment = {"buckets": buckets, "created": _now(), "epoch": 0, "hosts": made, "retired": [], "history": []}
         if not check_mode:
-            write_assignment(path, assignment)
+            _write(path, assignment, recorded)
         return assignment, True, [], {}
     if recorded["buckets"] != buckets:
         raise AssignmentFileError(
@@ -204,7 +247,7 @@ def resolve(
         except AssignError as e:
             raise AssignmentFileError(f"{path}: {e}") from None
         if not check_mode:
-            write_assignment(path, changed_to)
+            _write(path, changed_to, recorded)
         return changed_to, True, [], {h: format_ranges(b) for h, b in gets.items()}
     if new:
         raise AssignmentFileError(
@@ -226,10 +269,24 @@ def resolve(
 def takeover(
     path: str, host: str, finished: str, live: list[str], check_mode: bool
 ) -> tuple[dict[str, Any], bool, dict[str, str]]:
-    """(assignment, changed, moved): `host`'s unfinished buckets moved to `live` (hsx.fleetplan)."""
+    """(assignment, changed, moved): `host`'s unfinished buckets moved to `live` (hsx.fleetplan); the
+    read -> write holds the file's lock (none is made where there is no file)."""
+    if read_assignment(path) is None:
+        raise _no_file_to_take_over(path, host)
+    with _one_at_a_time(path, check_mode):
+        return _takeover(path, host, finished, live, check_mode)
+
+
+def _no_file_to_take_over(path: str, host: str) -> AssignmentFileError:
+    return AssignmentFileError(f"{path}: no assignment to take {host} over from (the fleet has no derived split)")
+
+
+def _takeover(
+    path: str, host: str, finished: str, live: list[str], check_mode: bool
+) -> tuple[dict[str, Any], bool, dict[str, str]]:
     recorded = read_assignment(path)
     if recorded is None:
-        raise AssignmentFileError(f"{path}: no assignment to take {host} over from (the fleet has no derived split)")
+        raise _no_file_to_take_over(path, host)
     done = _spec_set(finished, recorded["buckets"], f"finished buckets of {host}")
     try:
         new, moves = plan_takeover(recorded, host, done, live, _now())
@@ -237,7 +294,7 @@ def takeover(
         raise AssignmentFileError(f"{path}: {e}") from None
     changed = new is not recorded
     if changed and not check_mode:
-        write_assignment(path, new)
+        _write(path, new, recorded)
     return new, changed, {h: format_ranges(b) for h, b in moves.items()}
 
 

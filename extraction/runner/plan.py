@@ -5,8 +5,11 @@ Contract:
   --shard-index/--num-shards split); with --assign a node runs the samples whose bucket
   (hsx.buckets: the same id hash, modulo run.json's bucket count) it is assigned. No
   coordination, the same answer whatever the dataset's order. `node_samples` is this node's
-  entries in dataset order, at most --limit of them.
-- `plan_windows` cuts them into fixed windows of WINDOW_BATCHES batches' worth, in dataset
+  entries, at most --limit of them (the first in this order): with --assign ordered by (bucket,
+  dataset position), so its buckets finish one after another (a node that stops part way has
+  whole buckets finished, which a takeover leaves with it, and its highest buckets unstarted,
+  which a rebalance can move); with --shard-index/--num-shards in dataset order, as before.
+- `plan_windows` cuts them into fixed windows of WINDOW_BATCHES batches' worth, in that
   order; `batches_of_window` sorts a window's samples by (length, id) and cuts its batches (little
   padding, a fixed plan).
 - The plan depends on the node's whole sample list only, never on what is done: a resume re-runs
@@ -41,13 +44,15 @@ def assigned_to(sample_id: str, shard_index: int, num_shards: int) -> bool:
 
 
 def node_samples(entries: list[DatasetEntry], cfg: ExtractConfig, buckets: int | None = None) -> list[DatasetEntry]:
-    """This node's entries, in dataset order, at most --limit: those in the buckets of --assign
-    (out of `buckets`, run.json's count), else --shard-index of --num-shards."""
+    """This node's entries, at most --limit: those in the buckets of --assign (out of `buckets`,
+    run.json's count) by (bucket, dataset position), else those of --shard-index of --num-shards in
+    dataset order."""
     if cfg.assign is not None:
         if buckets is None:
             raise ValueError("--assign needs the run's bucket count")
         mine = parse_assign(cfg.assign, buckets)
-        assigned = [e for e in entries if bucket_of(e.sample_id, buckets) in mine]
+        keyed = [(bucket_of(e.sample_id, buckets), i, e) for i, e in enumerate(entries)]
+        assigned = [e for b, _, e in sorted(k for k in keyed if k[0] in mine)]
     else:
         assigned = [e for e in entries if assigned_to(e.sample_id, cfg.shard_index, cfg.num_shards)]
     return assigned if cfg.limit is None else assigned[: cfg.limit]
@@ -66,7 +71,7 @@ def record_bucket_totals(
 
 
 def plan_windows(entries: list[DatasetEntry], batch_size: int) -> list[list[DatasetEntry]]:
-    """Fixed windows of the dataset order; batches are cut inside a window by length."""
+    """Fixed windows of `entries` in their order (node_samples'); batches are cut inside a window by length."""
     size = batch_size * WINDOW_BATCHES
     return [entries[i : i + size] for i in range(0, len(entries), size)]
 

@@ -17,17 +17,32 @@ Contract:
   AssignmentFileError naming the file and saying what to do.
 - `write_assignment(path, data)`: checks, then temp file + rename (no link followed); the
   directory is made if absent.
+- `assignment_lock(path)`: an exclusive flock on the sibling PATH.lock (made if absent, never
+  through a link, only a regular file), held around a read -> plan -> write so two plays that
+  change the file (takeovers, rebalances) take turns; it waits up to `wait_s`, then an
+  AssignmentFileError says another play holds it.
+- `check_unchanged(path, read)`: under the lock, before writing: AssignmentFileError (rerun) when
+  the file is not what was read (`read` None: there was no file) - its epoch or hosts changed,
+  by a writer that took no lock (a hand edit, an older hsx).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import stat
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from .buckets import AssignError, check_assignment
-from .fsutil import LinkRefused, atomic_write_bytes, read_nofollow
+from .fsutil import O_CLOEXEC, O_NOFOLLOW, LinkRefused, atomic_write_bytes, read_nofollow
 
+LOCK_SUFFIX = ".lock"
+LOCK_WAIT_S = 120.0  # a takeover's read -> write takes well under a second
 MAX_FILE_BYTES = 4 << 20  # a thousand hosts' ranges and a long history are well under this
 ASIDE = "fix it, or move it aside to derive a new assignment (only before any node has started: it reassigns buckets)"
 
@@ -96,3 +111,52 @@ def write_assignment(path: str, assignment: dict[str, Any]) -> None:
         atomic_write_bytes(path, encode(assignment))
     except OSError as e:
         raise AssignmentFileError(f"{path}: cannot write the assignment: {e.strerror or e}") from None
+
+
+@contextlib.contextmanager
+def assignment_lock(path: str, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
+    """Hold the exclusive lock of the assignment at `path` (see the module's contract)."""
+    lock = path + LOCK_SUFFIX
+    try:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise AssignmentFileError(
+                f"{lock} is a symlink: refusing to lock through it; remove it (hsx makes it as a plain file)"
+            ) from None
+        raise AssignmentFileError(f"{lock}: cannot open the assignment's lock: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise AssignmentFileError(f"{lock} is not a regular file: refusing to lock it; remove it")
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise AssignmentFileError(
+                        f"{lock}: another play has held the assignment for over {wait_s:.0f}s (a takeover or "
+                        "rebalance); nothing was changed: let it finish, then rerun"
+                    ) from None
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def check_unchanged(path: str, read: dict[str, Any] | None) -> None:
+    """AssignmentFileError unless the file is still what `read` was (see the module's contract)."""
+    now = read_assignment(path)
+    if read is None and now is None:
+        return
+    if read is not None and now is not None and (now["epoch"], now["hosts"]) == (read["epoch"], read["hosts"]):
+        return
+    then_epoch = "no file" if read is None else read["epoch"]
+    now_epoch = "no file" if now is None else now["epoch"]
+    raise AssignmentFileError(
+        f"{path} changed since this play read it (epoch {then_epoch} then, {now_epoch} now): another takeover, "
+        "rebalance or edit came in between; nothing was written: rerun (--check first shows the plan against "
+        "the file as it is now)"
+    )

@@ -7,9 +7,12 @@ Contract:
   buckets of its own that `finished` names (what the nodes reported finished on it; nothing for a
   host that could not be reached) and is recorded in `retired`; the rest of its buckets go to
   `live` (sorted) in contiguous near-equal runs, the first hosts one more. `epoch` grows by one and
-  `history` gets an entry saying what moved where. A host already retired gives the assignment
-  back as it is (a second takeover changes nothing: what it kept was read finished from its own
-  output when it was taken over).
+  `history` gets an entry saying what moved where. A host already retired keeps what `finished`
+  still names of what it kept; while that is all of it the assignment comes back as it is (a
+  second takeover changes nothing), checked before anything else (a live host the assignment
+  does not name, waiting for its rebalance, is then no error). Kept buckets no longer read
+  finished (its disk died; nothing counts finished on a host that cannot be reached) move like
+  any unfinished ones, so they are never lost for good.
 - `plan_rebalance(assignment, new_hosts, started, now)`: the new assignment with `new_hosts` added.
   Only buckets no node has started (not in `started`: any sample of it done on any host) move;
   each existing (not retired) host gives its highest unstarted buckets beyond an even share of
@@ -60,15 +63,15 @@ def plan_takeover(
     if host not in hosts:
         raise AssignError(f"takeover: {host} is not in the assignment (its hosts: {', '.join(sorted(hosts))})")
     retired = set(assignment.get("retired", []))
+    mine = owned(assignment, host)
+    kept = mine & set(finished)
+    moving = mine - kept
+    if host in retired and not moving:  # taken over before, and what it kept still reads finished
+        return assignment, {}
     takers = sorted(set(live) - {host} - retired)
     unknown = [h for h in takers if h not in hosts]
     if unknown:
         raise AssignError(f"takeover: live host(s) {', '.join(unknown)} are not in the assignment (a rebalance adds hosts)")
-    mine = owned(assignment, host)
-    if host in retired:  # what it kept was read finished when it was taken over: it stays
-        return assignment, {}
-    kept = mine & set(finished)
-    moving = mine - kept
     if moving and not takers:
         raise AssignError(f"takeover: no live host to take {host}'s {len(moving)} unfinished bucket(s)")
     runs = split_runs(moving, takers) if moving else {}

@@ -150,3 +150,22 @@ def test_per_bucket_counts_and_finished_buckets_come_from_the_node_never_guessed
     assert after["finished_buckets"] == format_ranges(finished)
     (tmp_path / "run.json").write_text("{}")  # a run made before buckets
     assert st.read_buckets()["bucket_count"] is None
+
+
+def test_an_unreadable_index_reports_its_buckets_unknown_never_none_started(tmp_path):
+    """#39 review 5: a rebalance must not read "nothing started" from a host whose index it could
+    not read (bucket_done {} with a bucket count), nor a takeover "nothing finished" as an answer."""
+    plant(tmp_path, 3, status(done=3))
+    (tmp_path / "run.json").write_text('{"buckets": 4}')
+    os.replace(tmp_path / INDEX_NAME, tmp_path / "index.real")
+    os.symlink(tmp_path / "index.real", tmp_path / INDEX_NAME)  # never followed: unreadable
+    st = extraction_status.ExtractionStatus(str(tmp_path), progress_window=60)
+    assert "unreadable index" in st.read()["message"]
+    got = st.read_buckets()
+    assert got["bucket_count"] is None and got["bucket_done"] == {} and got["finished_buckets"] == ""
+    assert "unreadable index" in got["buckets_error"]
+    os.unlink(tmp_path / INDEX_NAME)
+    os.replace(tmp_path / "index.real", tmp_path / INDEX_NAME)
+    st.read()
+    fine = st.read_buckets()
+    assert fine["bucket_count"] == 4 and fine["buckets_error"] is None and sum(fine["bucket_done"].values()) == 3

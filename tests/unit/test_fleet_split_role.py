@@ -97,3 +97,31 @@ def test_explicit_shards_win_and_a_fleet_of_one_runs_everything(tmp_path) -> Non
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "assign" not in config(tmp_path / "one", "n1")
     assert json.loads((tmp_path / "one" / "fleet" / "assignment.json").read_text())["hosts"] == {"n1": "0-1023"}
+
+
+def test_a_rebalance_needs_every_host_read_and_an_unreadable_index_is_not_an_answer(tmp_path) -> None:
+    """#39 review 5: n2's output has an index that cannot be read (a link, never followed): its
+    started buckets are unknown, so it did not answer and nothing moves."""
+    outputs = str(tmp_path) + "/{{ inventory_hostname }}/out"
+    assert play(tmp_path, ["n1", "n2"], hsx_output_dir=outputs).returncode == 0
+    before = (tmp_path / "fleet" / "assignment.json").read_bytes()
+    (tmp_path / "n2" / "out").mkdir()
+    (tmp_path / "n2" / "out" / "run.json").write_text('{"buckets": 1024}')
+    (tmp_path / "n2" / "out" / "index.jsonl").symlink_to(tmp_path / "elsewhere")
+    proc = play(tmp_path, ["n1", "n2", "n3"], "-e", "hsx_rebalance=true", hsx_output_dir=outputs)
+    assert proc.returncode != 0 and "cannot rebalance: host(s) n2 did not answer" in " ".join(proc.stdout.split())
+    assert (tmp_path / "fleet" / "assignment.json").read_bytes() == before
+
+
+def test_a_takeover_survivor_owning_every_bucket_stays_a_fleet_member(tmp_path) -> None:
+    """#39 review 6: in a 2-host fleet the survivor of a takeover owns 0-1023. The file names more
+    than one host, so it keeps buckets/assign in its config (and its job off at boot: defaults
+    extraction_job_enabled), unlike a fleet of one."""
+    assert play(tmp_path, ["n1", "n2"]).returncode == 0
+    fleet = json.loads((tmp_path / "fleet" / "assignment.json").read_text())
+    fleet["hosts"], fleet["retired"], fleet["epoch"] = {"n1": "0-1023", "n2": ""}, ["n2"], 1
+    (tmp_path / "fleet" / "assignment.json").write_text(json.dumps(fleet))
+    proc = play(tmp_path, ["n1", "n2"])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    cfg = config(tmp_path, "n1")
+    assert cfg["buckets"] == 1024 and cfg["assign"] == "0-1023"

@@ -76,3 +76,19 @@ def test_the_plan_reads_finished_buckets_from_the_nodes_and_check_mode_writes_no
     assert "Would move n2's unfinished buckets: n1 takes 3 (n2 keeps 2:" in flat(check.stdout), \
         check.stdout[-3000:]
     assert json.loads((tmp_path / "fleet.json").read_text()) == fleet
+
+
+def test_a_host_whose_index_cannot_be_read_takes_nothing(tmp_path) -> None:
+    """#39 review 5: n2 answers but its index is a link (never followed): which of its buckets are
+    finished is unknown, so it is not a live host; n1 takes all of the unreachable n3's buckets."""
+    fleet = {"buckets": 6, "created": "x", "epoch": 0, "hosts": {"n1": "0-1", "n2": "2-3", "n3": "4-5"},
+             "retired": [], "history": []}
+    (tmp_path / "fleet.json").write_text(json.dumps(fleet))
+    plant_output(tmp_path / "n1", "0-1", [])
+    plant_output(tmp_path / "n2", "2-3", [])
+    (tmp_path / "n2" / "index.jsonl").rename(tmp_path / "n2" / "index.real")
+    (tmp_path / "n2" / "index.jsonl").symlink_to(tmp_path / "n2" / "index.real")
+    check = takeover(tmp_path, "n3", "--check")
+    assert check.returncode == 0, check.stdout[-3000:]
+    assert "Would move n3's unfinished buckets: n1 takes 4-5 (n3 keeps nothing" in flat(check.stdout), \
+        check.stdout[-3000:]
