@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from extraction.fleet.fleetbuckets import fleet_view, prometheus_text, render_view
+from extraction.fleet.fleetbuckets import fleet_view, mark_taken_over, prometheus_text, render_view
 from extraction.fleet.fleetstatus import HostStatus, as_json, collect, fleet_total, render
 from extraction.fleet.playbook import REPORTS
 from extraction.fleet.plot import PlotError, plot_history
@@ -71,9 +71,9 @@ def load_assignment(path: str | None, inventory: list[str] | None) -> dict[str, 
 
 
 def exit_code(hosts: list[HostStatus], view: dict[str, Any]) -> int:
-    """1 while a sample is missing or a host is marked (a retired host's marks do not count), else 0."""
-    retired = set(view.get("retired", []))
-    marked = [h for h in fleet_total(hosts)["marked"] if h not in retired]
+    """1 while a sample is missing or a host is marked with an alarm (one taken over is not:
+    `mark_taken_over` first), else 0."""
+    marked = fleet_total(hosts)["marked"]
     missing = view.get("known") and view["samples"]["missing"] > 0
     return EXIT_FAILED if marked or missing else EXIT_OK
 
@@ -104,6 +104,7 @@ def once(args: argparse.Namespace) -> int:
     except AssignmentFileError as exc:
         print(f"hsx fleet-status: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    mark_taken_over(hosts, assignment)
     view = fleet_view(hosts, assignment)
     if args.json:
         print(as_json(hosts, view))

@@ -95,6 +95,15 @@ def fleet_view(hosts: list[Any], assignment: dict[str, Any] | None) -> dict[str,
     }
 
 
+def mark_taken_over(hosts: list[Any], assignment: dict[str, Any] | None) -> None:
+    """Set `taken_over` (the buckets it kept) on each host the assignment file retired, so the
+    per-host table and the exit code read it as taken over, not by its stale job or reachability."""
+    retired = set(assignment.get("retired", [])) if assignment else set()
+    for h in hosts:
+        if h.host in retired:
+            h.taken_over = assignment["hosts"].get(h.host, "")
+
+
 def render_view(view: dict[str, Any]) -> list[str]:
     """The view as lines for people (after fleetstatus.render's table)."""
     if not view.get("known"):

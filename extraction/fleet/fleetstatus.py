@@ -1,7 +1,10 @@
 """`hsx fleet-status`: every host's extraction progress from one ad-hoc `extraction_status_info` run.
 
 Hosts that are unreachable, whose module failed, that have no job, or whose job is not making
-progress are marked (and make the exit code 1); none is left out of the table or the total.
+progress are marked (and make the exit code 1); none is left out of the table or the total. A host
+the fleet's assignment file retired (taken over: `taken_over` holds the finished buckets it kept) is
+marked TAKEN OVER instead, whatever its job or its reachability says: that is not an alarm (it is
+left out of `fleet_total`'s `marked` and of the exit code).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ OUTPUT_DIR_ARG = "{{ hsx_output_dir | default('" + DEFAULT_OUTPUT_DIR + "') }}"
 KEEP_ARTIFACTS = 5  # fleet-status runs kept (its own kind: recover/provision/rollout keep theirs)
 ARTIFACT_KIND = "fleet-status"
 UNREACHABLE, FAILED, NO_JOB, STALLED = "UNREACHABLE", "MODULE FAILED", "NO JOB", "NOT PROGRESSING"
+TAKEN_OVER = "TAKEN OVER"  # retired by a takeover: expected, never an alarm
 
 
 @dataclass
@@ -40,10 +44,14 @@ class HostStatus:
     unreachable: bool = False
     error: str = ""
     history: list[list[float]] = field(default_factory=list)
+    # The bucket spec a takeover left the host (its finished buckets, "" for none); None: not taken over.
+    taken_over: str | None = None
 
     @property
     def mark(self) -> str:
-        """Empty when the host is fine (done, or running and making progress)."""
+        """Empty when the host is fine (done, or running and making progress); TAKEN_OVER for a retired host."""
+        if self.taken_over is not None:
+            return TAKEN_OVER
         if self.unreachable:
             return UNREACHABLE
         if self.error:
@@ -56,7 +64,14 @@ class HostStatus:
         return STALLED
 
     @property
+    def alarm(self) -> bool:
+        """A mark that asks for a person (any but TAKEN_OVER)."""
+        return self.mark not in ("", TAKEN_OVER)
+
+    @property
     def reason(self) -> str:
+        if self.taken_over is not None:
+            return self._taken_over_reason()
         if self.unreachable or self.error:
             return self.error
         r = self.result
@@ -69,12 +84,20 @@ class HostStatus:
             why.append(str(r["message"]))
         return "; ".join(why)
 
+    def _taken_over_reason(self) -> str:
+        kept = self.taken_over or ""
+        keeps = f"keeps its finished bucket(s) {kept}" if kept else "keeps no bucket"
+        now = ("not reachable now" if self.unreachable else "its status unreadable now" if self.error
+               else f"its output holds {self.result.get('done', '?')} samples")
+        return f"its unfinished buckets moved to other hosts; {keeps}; {now}"
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "host": self.host,
             "mark": self.mark or None,
             "reason": self.reason or None,
             "unreachable": self.unreachable,
+            "taken_over": self.taken_over,
             **{k: v for k, v in self.result.items() if k != "invocation"},
         }
 
@@ -175,6 +198,8 @@ def collect(
 
 
 def fleet_total(hosts: list[HostStatus]) -> dict[str, Any]:
+    """Samples done/total and the rate over the hosts; `marked`: host -> mark for the alarms only
+    (a host taken over is listed in `taken_over` instead)."""
     answered = [h.result for h in hosts if h.result]
     done = sum(int(r.get("done") or 0) for r in answered)
     total = sum(int(r.get("total") or 0) for r in answered)
@@ -186,7 +211,8 @@ def fleet_total(hosts: list[HostStatus]) -> dict[str, Any]:
         "total": total,
         "samples_per_s": rate,
         "eta_s": round(remaining / rate, 1) if rate > 0 else None,
-        "marked": {h.host: h.mark for h in hosts if h.mark},
+        "marked": {h.host: h.mark for h in hosts if h.alarm},
+        "taken_over": sorted(h.host for h in hosts if h.taken_over is not None),
     }
 
 
@@ -219,7 +245,8 @@ def render(hosts: list[HostStatus], out: TextIO = sys.stdout) -> None:
     pct = f" ({100 * t['done'] / t['total']:.1f}%)" if t["total"] else ""
     print(
         f"FLEET: {t['hosts']} hosts, done {t['done']}/{t['total']}{pct}, {t['samples_per_s']} samples/s, "
-        f"ETA {format_eta(t['eta_s'])}; {len(t['marked'])} marked",
+        f"ETA {format_eta(t['eta_s'])}; {len(t['marked'])} marked"
+        + (f", {len(t['taken_over'])} taken over" if t["taken_over"] else ""),
         file=out,
     )
 

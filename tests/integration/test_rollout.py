@@ -5,7 +5,9 @@ and dataset, and are provisioned by playbooks/provision.yml with the server and 
 server is the TEST-ONLY stand-in, which runs the patch and hook of the installed SGLang, so a patch
 that breaks the model breaks the server). Then, in order: --check (the plan, nothing changes); a
 normal rollout v2 -> v3; a v4 whose canary fails (no other host touched); a v4 that fails on the
-second batch's host (reverted to v3; the canary keeps v4; the rest untouched).
+second batch's host (reverted to v3; the canary keeps v4; the rest untouched). Between the first two,
+the --check as an unprivileged control-node account (issue #39: sudo on the targets only, nothing of
+that account's left owned by root; the account and its run are tests/control_node_account.py's).
 
 New versions are revisions of the project's patch (module_utils/hsx/sglang_patch.py, imported) whose
 init block fails on hosts holding /etc/hsx-test/fail-v<N> - a deliberately broken version there.
@@ -18,8 +20,9 @@ import json
 from pathlib import Path
 
 import pytest
+from control_node_account import owned_by_root, run_as_operator
+from labctl import PlaybookRun, lab, lab_ssh, playbook
 from labctl import host as lab_host
-from labctl import lab, lab_ssh, playbook
 
 from hsx.sglang_patch import SGLANG_DUMP_PATCH
 
@@ -93,6 +96,21 @@ def test_check_shows_the_plan_and_changes_nothing(fleet):
         assert {k: after[k] for k in ("file", "server", "server_id", "job_id", "mtime")} == \
                {k: before[h][k] for k in ("file", "server", "server_id", "job_id", "mtime")}, h
         assert after["file"] == after["server"] == "2"
+
+
+def test_check_as_a_normal_user_leaves_nothing_owned_by_root(fleet, operator):
+    account, home = operator
+    patch = revision("3", home)  # in the account's home: the run reads it as that account
+    proc = run_as_operator(account, home, "playbooks/rollout_patch.yml", "--check", "-e", LAB_VARS, "-e", patch)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert f"Plan, batch 1 (canary): {HOSTS[0]} v2 -> v3" in out, out[-3000:]
+    recap = PlaybookRun(proc.returncode, out).recap()
+    assert all(recap[h]["failed"] == 0 for h in HOSTS), out[-3000:]
+    (summary,) = (home / "hsx" / "reports").glob("*-rollout/summary.md")
+    assert summary.stat().st_uid == account.pw_uid
+    owned = owned_by_root(home)
+    assert not owned, owned[:20]
 
 
 def test_a_real_run_needs_the_confirmation(fleet):

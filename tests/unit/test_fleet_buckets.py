@@ -3,11 +3,22 @@ each host's extraction_status (buckets=true) reads on its own disk and the assig
 
 from __future__ import annotations
 
+import io
+import json
+
 from promtool import promtool
 
 from extraction.commands.fleet_status import exit_code
-from extraction.fleet.fleetbuckets import fleet_view, prometheus_text, render_view
-from extraction.fleet.fleetstatus import HostStatus
+from extraction.fleet.fleetbuckets import fleet_view, mark_taken_over, prometheus_text, render_view
+from extraction.fleet.fleetstatus import (
+    STALLED,
+    TAKEN_OVER,
+    UNREACHABLE,
+    HostStatus,
+    as_json,
+    fleet_total,
+    render,
+)
 
 TOTALS = [2, 2, 2, 2, 2, 2]  # 6 buckets of 2 samples
 
@@ -42,7 +53,7 @@ def test_a_takeover_mid_run_then_complete_counts_duplicates_and_nothing_missing(
     assert v["per_host"]["c"] == {"buckets": dict.fromkeys(("done", "running", "unreachable", "unassigned"), 0),
                                   "owned": 0, "samples_done": 3, "samples_elsewhere": 3, "answered": True,
                                   "retired": True}
-    assert exit_code(final, v) == 0  # c's stale "running" status does not count: it is retired
+    assert exit_code(final, v) == 0
     lines = render_view(v)
     assert lines[-1].endswith("12/12 done (9 once, 3 twice), 0 missing: COMPLETE") and "(retired)" in lines[3]
     prom = prometheus_text(v)
@@ -64,3 +75,38 @@ def test_no_bucket_totals_counts_nothing_done() -> None:
     v = fleet_view([h], None)
     assert not v["known"] and not v["complete"] and v["bucket_states"]["done"] == 0
     assert render_view({"known": False})[0].startswith("BUCKETS: unknown")
+
+
+def table(hosts: list[HostStatus]) -> dict[str, str]:
+    """fleetstatus.render's per-host table: host -> its line, and "FLEET" -> the total's line."""
+    out = io.StringIO()
+    render(hosts, out)
+    lines = out.getvalue().splitlines()[1:]
+    return {**{ln.split()[0]: ln for ln in lines[:-1]}, "FLEET": lines[-1]}
+
+
+def test_a_host_taken_over_reads_as_such_never_as_an_alarm() -> None:
+    """The per-host table, the total and the exit code: a retired host's stale job or its silence is
+    no alarm; it reads TAKEN OVER with the buckets it kept. A host not retired keeps its marks."""
+    after = {"buckets": 6, "hosts": {"a": "0-1,4", "b": "2-3,5", "c": "0-1"}, "retired": ["c"], "epoch": 1}
+    a, b = host("a", "0-1,4", {0: 2, 1: 2, 4: 2}, "done"), host("b", "2-3,5", {2: 2, 3: 2, 5: 2}, "done")
+    for c in (HostStatus("c", unreachable=True, error="No route to host"),  # still dead
+              host("c", "0-1,4-5", {4: 1, 5: 2}, "stopping")):  # back, its status stale
+        before = table([a, b, c])["c"]
+        assert c.mark in (UNREACHABLE, STALLED) and c.mark in before  # without the assignment: an alarm
+        mark_taken_over([a, b, c], after)
+        assert c.mark == TAKEN_OVER and not c.alarm and c.taken_over == "0-1"
+        rows = table([a, b, c])
+        assert "TAKEN OVER: its unfinished buckets moved to other hosts; keeps its finished bucket(s) 0-1" in rows["c"]
+        assert UNREACHABLE not in rows["c"] and STALLED not in rows["c"]
+        assert rows["FLEET"].endswith("; 0 marked, 1 taken over")
+        assert ("not reachable now" if c.unreachable else "its output holds 3 samples") in rows["c"]
+        data = json.loads(as_json([a, b, c]))
+        assert data["total"]["marked"] == {} and data["total"]["taken_over"] == ["c"]
+        assert [h["taken_over"] for h in data["hosts"]] == [None, None, "0-1"]
+        assert exit_code([a, b, c], fleet_view([a, b, c], after)) == 0
+    # A host the file does not retire keeps its alarm, and the exit code says so.
+    stalled = host("b", "2-3,5", {2: 2}, "stopping")
+    mark_taken_over([a, stalled], after)
+    assert stalled.mark == STALLED and fleet_total([a, stalled])["marked"] == {"b": STALLED}
+    assert exit_code([a, stalled], fleet_view([a, stalled], after)) == 1
