@@ -34,7 +34,9 @@ def _spec(spec: str | None, buckets: int) -> set[int]:
 
 def fleet_view(hosts: list[Any], assignment: dict[str, Any] | None) -> dict[str, Any]:
     """The fleet's buckets and samples (module contract); `hosts` are fleetstatus.HostStatus."""
-    answered = {h.host: h.result for h in hosts if h.result and not h.unreachable and not h.error}
+    # A host whose index could not be read (buckets_error) tells nothing of its buckets: not answered.
+    answered = {h.host: h.result for h in hosts
+                if h.result and not h.unreachable and not h.error and not h.result.get("buckets_error")}
     counts = [r.get("bucket_count") for r in answered.values() if r.get("bucket_count")]
     n = assignment["buckets"] if assignment else (counts[0] if counts else None)
     if not n:
@@ -45,7 +47,10 @@ def fleet_view(hosts: list[Any], assignment: dict[str, Any] | None) -> dict[str,
         owner = {b: h for h, s in assignment["hosts"].items() for b in _spec(s, n)}
     else:
         owner = {b: h for h, r in answered.items() for b in _spec(r.get("assign"), n)}
-    runs = {h: _spec(r.get("assign"), n) if r.get("assign") else set(range(n)) for h, r in answered.items()}
+    # What each host's job runs: its --assign; all buckets for a run made with buckets but no
+    # --assign; nothing where no run has written its buckets yet (a job not started).
+    runs = {h: _spec(r.get("assign"), n) if r.get("assign") else set(range(n)) if r.get("bucket_count") == n
+            else set() for h, r in answered.items()}
     done_by = {h: {int(b): c for b, c in (r.get("bucket_done") or {}).items()}
                for h, r in answered.items() if r.get("bucket_count") == n}
     retired = set(assignment.get("retired", [])) if assignment else set()

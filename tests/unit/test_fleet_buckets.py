@@ -110,3 +110,18 @@ def test_a_host_taken_over_reads_as_such_never_as_an_alarm() -> None:
     mark_taken_over([a, stalled], after)
     assert stalled.mark == STALLED and fleet_total([a, stalled])["marked"] == {"b": STALLED}
     assert exit_code([a, stalled], fleet_view([a, stalled], after)) == 1
+
+
+def test_a_host_with_no_run_or_an_unreadable_index_runs_nothing_and_counts_nothing() -> None:
+    """A host whose job never wrote its buckets (no run yet) does not run its buckets: they are
+    unassigned, not "running"; one whose index cannot be read (buckets_error) counts nothing done,
+    whatever else it says."""
+    assignment = {"buckets": 6, "hosts": {"a": "0-2", "b": "3-5"}, "retired": [], "epoch": 0}
+    fresh = HostStatus("b", result={"state": "none", "bucket_count": None, "bucket_totals": None, "assign": None})
+    v = fleet_view([host("a", "0-2", {0: 2, 1: 2, 2: 1}), fresh], assignment)
+    assert v["per_host"]["b"]["buckets"] == {"done": 0, "running": 0, "unreachable": 0, "unassigned": 3}, v["per_host"]["b"]
+    broken = HostStatus("b", result={"state": "running", "bucket_count": None, "buckets_error": "index: a FIFO",
+                                     "bucket_totals": TOTALS, "assign": "3-5", "bucket_done": {"3": 2}})
+    v = fleet_view([host("a", "0-2", {0: 2, 1: 2, 2: 2}), broken], assignment)
+    assert v["bucket_states"]["done"] == 3 and v["samples"]["missing"] == 6 and not v["complete"]
+    assert v["per_host"]["b"]["buckets"]["running"] == 0
