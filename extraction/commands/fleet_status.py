@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="INVENTORY",
         help="inventory (repeatable; default: ansible.cfg's, the lab)",
     )
-    p.add_argument("-l", "--limit", metavar="HOSTS", help="only these hosts (default: all)")
+    p.add_argument("-l", "--limit", metavar="HOSTS",
+                   help="only these hosts (default: all); the dataset's completeness is then not given")
     p.add_argument("-b", "--become", action="store_true", help="read the outputs as root (sudo)")
     p.add_argument("--json", action="store_true", help="print JSON ('hosts', 'total' and 'dataset')")
     p.add_argument(
@@ -68,6 +69,12 @@ def load_assignment(path: str | None, inventory: list[str] | None) -> dict[str, 
         return None
     base = first if first.is_dir() else first.parent
     return read_assignment(str(base.resolve() / "fleet" / "assignment.json"))
+
+
+LIMITED_VIEW: dict[str, Any] = {
+    "known": False,
+    "reason": "--limit asks some hosts only; the dataset's completeness needs them all (run without --limit)",
+}
 
 
 def exit_code(hosts: list[HostStatus], view: dict[str, Any]) -> int:
@@ -105,7 +112,9 @@ def once(args: argparse.Namespace) -> int:
         print(f"hsx fleet-status: {exc}", file=sys.stderr)
         return EXIT_USAGE
     mark_taken_over(hosts, assignment)
-    view = fleet_view(hosts, assignment)
+    # Under --limit the hosts not asked would read as unreachable and their samples as missing:
+    # the dataset's view needs every host.
+    view = LIMITED_VIEW if args.limit else fleet_view(hosts, assignment)
     if args.json:
         print(as_json(hosts, view))
     else:

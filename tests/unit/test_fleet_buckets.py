@@ -125,3 +125,21 @@ def test_a_host_with_no_run_or_an_unreadable_index_runs_nothing_and_counts_nothi
     v = fleet_view([host("a", "0-2", {0: 2, 1: 2, 2: 2}), broken], assignment)
     assert v["bucket_states"]["done"] == 3 and v["samples"]["missing"] == 6 and not v["complete"]
     assert v["per_host"]["b"]["buckets"]["running"] == 0
+
+
+def test_under_limit_the_dataset_view_is_not_claimed(monkeypatch, tmp_path, capsys) -> None:
+    """`hsx fleet-status --limit a`: the hosts not asked are not counted as unreachable and their
+    samples not as missing; the view says why it is not given and the exit code follows host a."""
+    import argparse
+
+    from extraction.commands import fleet_status
+
+    assignment = tmp_path / "assignment.json"
+    assignment.write_text(json.dumps({"buckets": 6, "hosts": {"a": "0-2", "b": "3-5"}, "epoch": 0, "retired": []}))
+    monkeypatch.setattr(fleet_status, "collect", lambda *a, **k: ([host("a", "0-2", {0: 2, 1: 2, 2: 2})], None))
+    parser = argparse.ArgumentParser()
+    fleet_status.register(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["fleet-status", "--limit", "a", "--assignment", str(assignment), "--json"])
+    assert fleet_status.once(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "--limit" in json.dumps(out) and "missing" not in json.dumps(out.get("buckets", out))
