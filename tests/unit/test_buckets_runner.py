@@ -11,11 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
-from hsx_run_helpers import SharedBackend, make_cfg, run
+from hsx_run_helpers import make_cfg, run
 
-from extraction.backends.hf import HFBackend
 from extraction.config import ConfigError
-from extraction.dataset import scan_dataset
 from extraction.runner import resume as resume_mod
 from extraction.runner.plan import assigned_to
 from extraction.tiny import write_tiny_dataset
@@ -33,17 +31,8 @@ BUCKETS = 4
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This module's own dataset (seed 11 fills every bucket); conftest's `ids` and `backend` use it."""
     return write_tiny_dataset(tmp_path_factory.mktemp("ds") / "d.jsonl", N, seed=11)
-
-
-@pytest.fixture(scope="module")
-def ids(dataset: Path) -> set[str]:
-    return {e.sample_id for e in scan_dataset(dataset).entries}
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_dir: Path) -> SharedBackend:
-    return SharedBackend(HFBackend(tiny_model_dir, [1, 3, 4], dtype="fp32"))
 
 
 def in_buckets(ids: set[str], buckets: set[int]) -> set[str]:
