@@ -19,16 +19,7 @@ list. The refused example (UNSUPPORTED_EXAMPLE) is shown to fail (2).
 Why by AST: importing sglang.srt.server_args or forward_batch_info needs the release's heavy
 dependencies (torch, msgspec, triton, ...), which neither CI nor a control node has. The release
 files come from tests/sglang_wheels.py (`pip download --no-deps`, cached; an unreachable registry
-FAILS these tests) and are parsed with `ast`:
-- the `add_argument(...)` calls of ServerArgs.add_cli_args (0.5.10-0.5.13: all of them);
-- 0.5.14+ also the fields SGLang turns into arguments with
-  arg_groups/arg_utils.add_cli_args_from_dataclass (`A[T, "help"]` / `A[T, Arg(...)]` fields of
-  ServerArgs; 0.5.20+ collected from the namespaces in arg_groups/fields/). Its rules are re-done here
-  (_dataclass_flag); the test pins that function's source by digest, so a release that changes it
-  fails until the emulation is checked against it.
-Names (choices=CONSTANT, Backend.ALL, custom argparse actions, type parsers) are resolved through the
-module's imports into the other kept files; what cannot be resolved for a flag we pass fails the
-test instead of passing unchecked. A type parser is run (compiled alone, with argparse/json/re only).
+FAILS these tests) and are parsed with `ast` (what is read, and how: tests/unit/sglang_server_args.py).
 
 The command line is rendered the way Ansible renders it, in-process with Ansible's own Templar
 (ansible-core from the venv, ~1 s for every release; ansible-playbook per release would take minutes):
