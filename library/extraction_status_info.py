@@ -179,7 +179,7 @@ finished_buckets:
 buckets_error:
   description:
     - Why the host's buckets are unknown (its index could not be read), or null. C(bucket_count) is then null and
-      nothing is started or finished by this read: a rebalance or takeover counts the host as not answered.
+      nothing is started or finished by this read; a rebalance or takeover counts the host as not answered.
   type: str
   returned: when I(buckets)
 """
