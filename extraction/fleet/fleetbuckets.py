@@ -7,7 +7,8 @@ Contract (`fleet_view(hosts, assignment)`):
   whose job runs it) answered and its job runs it, **unreachable** when its owner did not answer,
   **unassigned** when no host owns it or its owner's job does not run it yet (config not rendered).
 - Samples, per bucket: `copies` is the sum of every host's count. A done bucket has exactly its
-  total distinct samples, so `done twice` = copies - total (exact). In a bucket no host has
+  total distinct samples, so the copies beyond them are copies - total (exact), and `done twice`
+  (done more than once) is at most total of them. In a bucket no host has
   finished, distinct >= the largest host count: that lower bound is used (done, done once) and
   `missing` = total - it is an upper bound; `exact` says whether every bucket was exact. So
   `missing` is never under-counted: 0 means every sample exists on some host.
@@ -69,11 +70,14 @@ def fleet_view(hosts: list[Any], assignment: dict[str, Any] | None) -> dict[str,
                         else "running" if h in answered else "unreachable")
             distinct = max(held, default=0)
             exact = exact and len(held) <= 1
+        # Counts, not ids: the copies beyond the first are `extra`; at most `distinct` samples can
+        # be done more than once (three hosts with the whole bucket: each sample twice over).
         extra = copies - distinct
+        twice = min(extra, distinct)
         samples["total"] += total if total is not None else 0
         samples["done"] += distinct
-        samples["done_twice"] += extra
-        samples["done_once"] += distinct - extra
+        samples["done_twice"] += twice
+        samples["done_once"] += distinct - twice
         samples["missing"] += (total - distinct) if total is not None else 0
     per_host: dict[str, dict[str, Any]] = {}
     for h in sorted({*(assignment["hosts"] if assignment else {}), *(x.host for x in hosts)}):

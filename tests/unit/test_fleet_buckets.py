@@ -143,3 +143,11 @@ def test_under_limit_the_dataset_view_is_not_claimed(monkeypatch, tmp_path, caps
     assert fleet_status.once(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert "--limit" in json.dumps(out) and "missing" not in json.dumps(out.get("buckets", out))
+
+
+def test_three_copies_of_a_sample_count_it_once_as_done_more_than_once() -> None:
+    """Three hosts that each ran the whole dataset (no assignment file): every sample is done, each
+    more than once; none is "done once", and no count goes negative."""
+    whole = {b: 2 for b in range(6)}
+    v = fleet_view([host(h, "0-5", whole) for h in ("a", "b", "c")], None)
+    assert v["samples"] == {"total": 12, "done": 12, "done_once": 0, "done_twice": 12, "missing": 0}, v["samples"]
