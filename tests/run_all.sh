@@ -8,8 +8,8 @@
 #     then the collection (ansible-test sanity on the generated hsx.recovery; its tarball installed
 #     and run by FQCN);
 #   lane 3 (lab $HSX_FLEET_LAB_ID, 7): the fleet (#39: 3 hosts, one powered off, takeover), self-healing
-#     (#40: Prometheus, Alertmanager and ansible-rulebook on the control node) and
-#     provisioning.
+#     (#40: Prometheus, Alertmanager and ansible-rulebook on the control node), provisioning and the
+#     incident (test_incident.py).
 # Most of a lab test's wall time is waiting (SSH round trips, systemd, a job making progress), so the
 # lanes overlap well even on 2 cores. Every stage runs even when an earlier one failed; every lab is
 # always torn down. A lane's log is .cache/<lane>.log, printed when the lanes are done.
@@ -26,7 +26,8 @@ fleet_lab=$(pick_lab "${HSX_FLEET_LAB_ID:-7}" "${HSX_LAB_ID:-}" "$molecule_lab")
 rollout_tests=tests/integration/test_rollout.py
 collection_tests=tests/integration/test_collection.py
 lane2_tests=("$rollout_tests")
-lane3_tests=(tests/integration/test_fleet.py tests/integration/test_self_healing.py tests/integration/test_provision.py)
+lane3_tests=(tests/integration/test_fleet.py tests/integration/test_self_healing.py tests/integration/test_provision.py
+             tests/integration/test_incident.py)  # the incident: from the pytest lane, the longest in a fresh-clone run (2,222 s vs 1,039)
 lane_pids=()
 cleanup() {
     for pid in "${lane_pids[@]}"; do
