@@ -29,17 +29,15 @@ Contract:
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
-import stat
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from .buckets import AssignError, check_assignment
-from .fsutil import O_CLOEXEC, O_NOFOLLOW, LinkRefused, atomic_write_bytes, read_nofollow
+from .fsutil import LinkRefused, atomic_write_bytes, open_nofollow, read_nofollow
 
 LOCK_SUFFIX = ".lock"
 LOCK_WAIT_S = 120.0  # a takeover's read -> write takes well under a second
@@ -119,16 +117,14 @@ def assignment_lock(path: str, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
     lock = path + LOCK_SUFFIX
     try:
         os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK, 0o644)
+        fd = open_nofollow(lock, os.O_RDWR | os.O_CREAT, 0o644)  # never a link, never a FIFO's wait
+    except LinkRefused as e:
+        raise AssignmentFileError(
+            f"{lock} is {e.found}: refusing to lock through it; remove it (hsx makes it as a plain file)"
+        ) from None
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise AssignmentFileError(
-                f"{lock} is a symlink: refusing to lock through it; remove it (hsx makes it as a plain file)"
-            ) from None
         raise AssignmentFileError(f"{lock}: cannot open the assignment's lock: {e.strerror or e}") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise AssignmentFileError(f"{lock} is not a regular file: refusing to lock it; remove it")
         deadline = time.monotonic() + wait_s
         while True:
             try:
