@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from extraction.export_view import (
+from extraction.export.view import (
     DEFAULT_GROUP_SIZE,
     LAYOUTS,
     LINK_MODES,

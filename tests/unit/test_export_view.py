@@ -17,10 +17,10 @@ from hsx_run_helpers import (
     run,
 )
 
-from extraction import export_links
-from extraction import export_view as ev
 from extraction.backends.hf import HFBackend
 from extraction.cli import main
+from extraction.export import links as export_links
+from extraction.export import view as ev
 from extraction.shards.verify import verify_output
 from extraction.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK

@@ -23,9 +23,9 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from property_settings import PROPERTY
 
-from extraction import export_view as ev
 from extraction.cli import main
-from extraction.export_mapping import ExportError, read_mapping
+from extraction.export import view as ev
+from extraction.export.mapping import ExportError, read_mapping
 from extraction.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK
 from hsx.index import load_index

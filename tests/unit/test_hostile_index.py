@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from property_settings import PROPERTY
 from shard_helpers import make_run, manifest
 
-from extraction.export_view import export_view
+from extraction.export.view import export_view
 from extraction.runner.resume import verified_done
 from extraction.shards.verify import verify_output
 from hsx.index import (

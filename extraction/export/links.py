@@ -1,6 +1,6 @@
 """The links of an export view: their names, how one is made safely, and bringing DEST in line.
 
-Names are SpecForge's own (`rows_{g}-{g + group_size}/data_{i}.ckpt`, see extraction.export_view).
+Names are SpecForge's own (`rows_{g}-{g + group_size}/data_{i}.ckpt`, see extraction.export.view).
 A link is made at a temp name and renamed into place, so a reader never sees a half-made one and
 a crash leaves at worst a temp that the next run's sweep removes.
 
@@ -24,12 +24,12 @@ import re
 import stat
 from typing import TYPE_CHECKING
 
-from extraction.export_mapping import MAPPING_NAME, META_NAME, ExportError, MappingRecord
+from extraction.export.mapping import MAPPING_NAME, META_NAME, ExportError, MappingRecord
 from hsx.fsutil import LinkRefused, open_dir_nofollow
 from hsx.layout import is_temp_name, temp_name
 
 if TYPE_CHECKING:
-    from extraction.export_view import ExportReport
+    from extraction.export.report import ExportReport
 
 LOCK_NAME = ".hsx-export.lock"
 DEFAULT_GROUP_SIZE = 2000  # SpecForge prepare_hidden_states.py --file-group-size default

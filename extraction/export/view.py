@@ -25,8 +25,8 @@ made at a temp name and renamed into place, and every run reconciles DEST with t
 (missing links made, wrong ones replaced, links of no longer eligible samples and leftovers
 removed). A crash at any point leaves a DEST that the next run completes.
 
-The mapping and export.json are read and written in extraction.export_mapping (why plain JSON
-lines), the links made, checked and swept in extraction.export_links (why absolute symlinks);
+The mapping and export.json are read and written in extraction.export.mapping (why plain JSON
+lines), the links made, checked and swept in extraction.export.links (why absolute symlinks);
 this module verifies the outputs, plans the numbering and commits in that order.
 """
 
@@ -36,11 +36,10 @@ import fcntl
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import hsx.verify
-from extraction.export_links import (
+from extraction.export.links import (
     DEFAULT_GROUP_SIZE,
     LOCK_NAME,
     apply_links,
@@ -48,7 +47,7 @@ from extraction.export_links import (
     link_relpath,
     probe_hardlink,
 )
-from extraction.export_mapping import (
+from extraction.export.mapping import (
     MAPPING_NAME,
     META_NAME,
     ExportError,
@@ -59,67 +58,15 @@ from extraction.export_mapping import (
     rewrite_mapping,
     write_meta,
 )
-from hsx.exitcodes import EXIT_FAILED, EXIT_OK
+from extraction.export.report import ExportReport, OutputReport
 from hsx.fsutil import open_nofollow
 from hsx.index import IndexEntry, load_index
 from hsx.layout import MANIFEST_NAME
 from hsx.manifest import ManifestError, RunManifest, manifest_mismatches, read_manifest_dict
-from hsx.verify import LEVELS, BadShard, VerifyReport
+from hsx.verify import LEVELS, VerifyReport
 
 LAYOUTS = ("specforge",)
 LINK_MODES = ("symlink", "hardlink")
-
-
-@dataclass
-class OutputReport:
-    output: str
-    checked: int = 0
-    ok: int = 0
-    bad: list[BadShard] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    unindexed: int = 0
-    index_bad_lines: int = 0
-
-
-@dataclass
-class ExportReport:
-    dest: str
-    layout: str
-    link: str
-    level: str
-    group_size: int
-    outputs: list[OutputReport] = field(default_factory=list)
-    added: int = 0  # samples that got a new number this run
-    repointed: int = 0  # numbered samples whose source output changed (moved output, bad copy)
-    relinked: int = 0  # links made or replaced for samples that already had a number
-    unlinked: list[dict[str, Any]] = field(default_factory=list)  # {i, id, reason}
-    linked: int = 0  # links in place when the run ended
-    numbered: int = 0  # numbers given so far (mapping size)
-    not_rechecked: int = 0  # numbered samples whose output was not given this run (left as they were)
-    duplicates: list[dict[str, str]] = field(default_factory=list)  # {id, output}: copy not used
-    leftovers_removed: list[str] = field(default_factory=list)
-    unknown: list[str] = field(default_factory=list)  # entries in DEST we do not own, left alone
-    # {i, id, output, mapping_shard, shard}: mapping lines whose shard path is not the verified
-    # index entry's; not followed (the link goes to `shard`), and a correcting line is appended
-    mapping_disagreed: list[dict[str, Any]] = field(default_factory=list)
-    mapping_torn_tail: bool = False
-    seconds: float = 0.0
-
-    @property
-    def left_out_bad(self) -> int:
-        return sum(len(o.bad) + len(o.missing) for o in self.outputs)
-
-    @property
-    def exit_code(self) -> int:
-        """0: every eligible shard is linked; 1: some shards were left out as bad or missing."""
-        return EXIT_FAILED if self.left_out_bad else EXIT_OK
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["left_out_bad"] = self.left_out_bad
-        d["exit_code"] = self.exit_code
-        d["seconds"] = round(self.seconds, 3)
-        return d
 
 
 def _run_identity(manifest: dict[str, Any], source: str) -> RunManifest:
