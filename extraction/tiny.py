@@ -33,7 +33,7 @@ VOCAB_SIZE = 1024
 
 # Decoder layers of the tiny target, chosen so that `hsx extract` works on it with no --layers: the
 # EAGLE-3 default capture layers [2, N//2, N-3] must be distinct (6 gives [2, 3, 3], which
-# extraction.layers refuses). 7 would do with three adjacent layers [2, 3, 4]; 8 spreads them
+# extraction.inputs.layers refuses). 7 would do with three adjacent layers [2, 3, 4]; 8 spreads them
 # ([2, 4, 5]) as on a real model, for one more small layer.
 LAYERS = 8
 

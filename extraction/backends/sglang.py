@@ -79,7 +79,7 @@ from typing import Any
 import torch
 
 from extraction.backends.base import ModelInfo, Sample, SampleStates
-from extraction.config import DEFAULT_DUMP_TIMEOUT, ConfigError, read_api_key
+from extraction.inputs.config import DEFAULT_DUMP_TIMEOUT, ConfigError, read_api_key
 from extraction.sglang import dumps, hook, hsx_dump_format, reply
 
 ENV_DUMP_DIR = hook.ENV_DIR  # the client reads the same variable the server's hook does

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from extraction import config
+from extraction.inputs import config
 from hsx.exitcodes import EXIT_USAGE
 
 NO_OTHERS = 0o027  # umask bits always set: no group write, nothing for others
@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from extraction import preflight
+    from extraction.inputs import preflight
 
     try:
         cfg = config.build_config(args)

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 from extraction import heap
 from extraction.backends.base import Backend
-from extraction.config import ExtractConfig
 from extraction.diskguard import DiskGuard, estimate_shard_bytes
+from extraction.inputs.config import ExtractConfig
 from extraction.outputlock import OutputLock
 from extraction.publisher import BatchPublisher, Publisher
 from extraction.runner.forward import (

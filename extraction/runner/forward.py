@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from extraction.backends.base import Backend, Sample, SampleStates
-from extraction.config import ExtractConfig
+from extraction.inputs.config import ExtractConfig
 from extraction.publisher import Publisher, Work
 from extraction.runner.lifecycle import Lifecycle, RunError
 from hsx import cores

@@ -30,9 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 from extraction.backends.base import Sample
-from extraction.config import ExtractConfig
-from extraction.dataset import ROW_SHAPES
 from extraction.diskguard import DiskGuard, DiskLow
+from extraction.inputs.config import ExtractConfig
+from extraction.inputs.dataset import ROW_SHAPES
 from extraction.publisher import Outcome, Work
 from extraction.runner.progress import ProgressLines, progress_mode
 from extraction.shards import DiskFullError

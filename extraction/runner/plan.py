@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from extraction.backends.base import Sample
-from extraction.chat_tokenizer import ChatTokenizer
-from extraction.config import ExtractConfig
-from extraction.dataset import DatasetEntry, read_conversations
+from extraction.inputs.chat_tokenizer import ChatTokenizer
+from extraction.inputs.config import ExtractConfig
+from extraction.inputs.dataset import DatasetEntry, read_conversations
 from hsx.bucketcount import BUCKETS_NAME, count_totals, write_bucket_totals
 from hsx.buckets import bucket_of, id_hash, parse_assign
 

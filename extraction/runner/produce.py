@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from extraction.backends.base import Sample
-from extraction.chat_tokenizer import ChatTokenizer
 from extraction.childgen import ChildFailed, ChildGenerator
-from extraction.config import ExtractConfig
-from extraction.dataset import DatasetEntry, RowError, read_conversations
+from extraction.inputs.chat_tokenizer import ChatTokenizer
+from extraction.inputs.config import ExtractConfig
+from extraction.inputs.dataset import DatasetEntry, RowError, read_conversations
+from extraction.inputs.preflight import UNTRUNCATED_TOKENS
 from extraction.outputlock import OutputLock
-from extraction.preflight import UNTRUNCATED_TOKENS
 from extraction.publisher import Work
 from extraction.runner.lifecycle import Lifecycle
 from extraction.runner.plan import QUEUE_BATCHES, batches_of_window

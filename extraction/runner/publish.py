@@ -23,7 +23,7 @@ import queue
 import threading
 from typing import Any
 
-from extraction.config import ExtractConfig
+from extraction.inputs.config import ExtractConfig
 from extraction.publisher import BatchPublisher, Publisher, Work, drain_threads, wait_ready
 from extraction.runner.lifecycle import Lifecycle
 from extraction.runner.plan import QUEUE_BATCHES

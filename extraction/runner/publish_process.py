@@ -36,7 +36,7 @@ import torch
 
 from extraction.backends.base import Sample, SampleStates
 from extraction.backends.hf import dtype_name
-from extraction.config import ExtractConfig
+from extraction.inputs.config import ExtractConfig
 from extraction.publisher import DRAIN_WRITER_THREADS, BatchPublisher, Item, Work, wait_ready
 from extraction.runner.lifecycle import Lifecycle
 from extraction.runner.plan import QUEUE_BATCHES

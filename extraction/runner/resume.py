@@ -33,18 +33,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from extraction import layers as layer_mod
-from extraction.chat_tokenizer import (
+from extraction.inputs import layers as layer_mod
+from extraction.inputs.chat_tokenizer import (
     ChatTokenizer,
     chat_template_of,
     load_tokenizer,
     sha256_text,
     tokenizer_hash,
 )
-from extraction.config import ExtractConfig
-from extraction.dataset import DatasetScan, scan_dataset
+from extraction.inputs.config import ExtractConfig
+from extraction.inputs.dataset import DatasetScan, scan_dataset
+from extraction.inputs.preflight import InputError, check_inputs
 from extraction.outputlock import OutputBusy, OutputLock
-from extraction.preflight import InputError, check_inputs
 from extraction.runner.lifecycle import RunError
 from extraction.shards import ManifestMismatchError, ShardWriter
 from hsx.buckets import DEFAULT_BUCKETS, AssignError, check_buckets, parse_assign

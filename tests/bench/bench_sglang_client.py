@@ -46,7 +46,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "module_utils")]
-from extraction.config import build_config  # noqa: E402
+from extraction.inputs.config import build_config  # noqa: E402
 from extraction.runner import Runner  # noqa: E402
 from extraction.sglang import hook  # noqa: E402
 from hsx import layout  # noqa: E402

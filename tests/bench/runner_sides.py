@@ -22,8 +22,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from extraction.backends.hf import HFBackend  # noqa: E402
-from extraction.config import ExtractConfig, build_config  # noqa: E402
-from extraction.dataset import ChatTokenizer, DatasetEntry, load_tokenizer, scan_dataset  # noqa: E402
+from extraction.inputs.chat_tokenizer import ChatTokenizer, load_tokenizer  # noqa: E402
+from extraction.inputs.config import ExtractConfig, build_config  # noqa: E402
+from extraction.inputs.dataset import DatasetEntry, scan_dataset  # noqa: E402
 from extraction.runner import Runner  # noqa: E402
 from extraction.runner.timing import thread_usage  # noqa: E402
 from extraction.shards import ShardWriter  # noqa: E402

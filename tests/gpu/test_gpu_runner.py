@@ -22,7 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from extraction.backends.base import Sample  # noqa: E402
 from extraction.backends.hf import HFBackend  # noqa: E402
-from extraction.config import build_config  # noqa: E402
+from extraction.inputs.config import build_config  # noqa: E402
 from extraction.runner import Runner  # noqa: E402
 from extraction.shards.verify import verify_output  # noqa: E402
 from extraction.tiny import build_tiny_model, write_tiny_dataset  # noqa: E402

@@ -20,7 +20,7 @@ import time
 import pytest
 from labctl import BIN, REPO, host, lab, lab_ssh, playbook, wait_for
 
-from extraction.dataset import scan_dataset
+from extraction.inputs.dataset import scan_dataset
 from hsx.buckets import bucket_of, parse_assign
 from hsx.index import decode_index_line
 

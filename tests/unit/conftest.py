@@ -68,7 +68,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def ids(dataset: Path) -> set[str]:
     """The sample ids of `dataset`."""
-    from extraction.dataset import scan_dataset
+    from extraction.inputs.dataset import scan_dataset
 
     return {e.sample_id for e in scan_dataset(dataset).entries}
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from extraction.backends.hf import HFBackend
-from extraction.config import ExtractConfig, build_config
+from extraction.inputs.config import ExtractConfig, build_config
 from extraction.runner import Runner
 from extraction.shards.verify import verify_output
 from hsx.fsutil import find_orphan_temps

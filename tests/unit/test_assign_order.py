@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from extraction.dataset import DatasetEntry
+from extraction.inputs.dataset import DatasetEntry
 from extraction.runner.plan import assigned_to, node_samples
 from hsx.buckets import bucket_of
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hsx_run_helpers import make_cfg, run
 
-from extraction.config import ConfigError
+from extraction.inputs.config import ConfigError
 from extraction.runner import resume as resume_mod
 from extraction.runner.plan import assigned_to
 from extraction.tiny import write_tiny_dataset

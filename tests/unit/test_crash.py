@@ -29,7 +29,7 @@ from hsx_run_helpers import (
 
 from extraction import writerproc
 from extraction.backends.hf import HFBackend
-from extraction.dataset import scan_dataset
+from extraction.inputs.dataset import scan_dataset
 from extraction.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
 from hsx.index import load_index
@@ -146,7 +146,7 @@ def test_kill_9_at_random_points_then_resume(setup, tmp_path: Path) -> None:
 
 def _slow_tokenizer() -> None:
     """Keep the runner's tokenizer process alive for a while (0.3 s a sample)."""
-    from extraction.dataset import ChatTokenizer
+    from extraction.inputs.chat_tokenizer import ChatTokenizer
 
     real = ChatTokenizer.encode
 

@@ -7,15 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from extraction.dataset import (
-    ChatTokenizer,
-    Conversation,
-    content_id,
-    load_tokenizer,
-    read_conversations,
-    scan_dataset,
-    tokenizer_hash,
-)
+from extraction.inputs.chat_tokenizer import ChatTokenizer, load_tokenizer, tokenizer_hash
+from extraction.inputs.dataset import Conversation, content_id, read_conversations, scan_dataset
 
 MSGS = [
     {"role": "system", "content": "Be brief."},

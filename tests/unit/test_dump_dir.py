@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from extraction.config import build_config
+from extraction.inputs.config import build_config
 from hsx.layout import DEFAULT_DUMP_DIR
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from property_settings import PROPERTY
 
 from extraction.cli import main
-from extraction.dataset import RowError, content_id, parse_line, scan_dataset
+from extraction.inputs.dataset import RowError, content_id, parse_line, scan_dataset
 from extraction.runner.plan import assigned_to
 from extraction.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extraction.layers import (
+from extraction.inputs.layers import (
     LayerSpecError,
     default_layer_ids,
     from_canonical,

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from promtool import promtool
 
 from extraction.backends.hf import HFBackend
-from extraction.config import ConfigError
+from extraction.inputs.config import ConfigError
 from extraction.runner.metrics import METRICS_NAME, render, textfile_name, write_textfile
 from extraction.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK, EXIT_PAUSED

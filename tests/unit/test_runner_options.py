@@ -24,8 +24,8 @@ from hsx_run_helpers import (
 
 import hsx.cores
 from extraction.cli import main
-from extraction.config import ConfigError, build_config
-from extraction.dataset import scan_dataset
+from extraction.inputs.config import ConfigError, build_config
+from extraction.inputs.dataset import scan_dataset
 from extraction.runner import Runner
 from extraction.runner.forward import forward_cpu_threads
 from extraction.runner.plan import QUEUE_BATCHES, assigned_to
@@ -201,7 +201,7 @@ def test_tokenizer_runs_in_a_child_process_same_bits_and_row_errors(
     """The chat template is rendered in a forked process (its Python never holds this process's
     GIL); the shards are bit-identical to tokenizing on a thread, and a row the template cannot
     render is still logged with its line while the run goes on."""
-    from extraction.dataset import ChatTokenizer
+    from extraction.inputs.chat_tokenizer import ChatTokenizer
 
     pids = tmp_path / "encode-pids"
     poison = sorted(ids)[3]
@@ -242,7 +242,7 @@ def test_tokenizer_process_killed_fails_the_run_with_the_reason(
 ) -> None:
     """The tokenizer process dies (OOM killer, kill -9): the run stops with a message saying so,
     exit 1; what was written is whole and indexed, and a rerun finishes the rest."""
-    from extraction.dataset import ChatTokenizer
+    from extraction.inputs.chat_tokenizer import ChatTokenizer
 
     real = ChatTokenizer.encode
     count = [0]

@@ -148,7 +148,7 @@ def test_extract_with_the_sglang_backend_publishes_through_either_publisher(serv
     bit for bit, every one deep-verified."""
     from hsx_run_helpers import assert_complete, assert_same_shards, load_shards, make_cfg, run
 
-    from extraction.dataset import scan_dataset
+    from extraction.inputs.dataset import scan_dataset
     from extraction.tiny import write_tiny_dataset
     from hsx.exitcodes import EXIT_OK
 
@@ -202,7 +202,7 @@ def test_the_client_waits_for_renames_without_sleeping_and_gives_the_hf_shards(
     from hsx_run_helpers import assert_complete, assert_same_shards, load_shards, make_cfg, run
 
     from extraction.backends import sglang as sglang_backend
-    from extraction.dataset import scan_dataset
+    from extraction.inputs.dataset import scan_dataset
     from extraction.sglang import dumps
     from extraction.tiny import write_tiny_dataset
     from hsx.exitcodes import EXIT_OK
@@ -506,7 +506,7 @@ def test_key_refused_mid_run_rereads_the_file_once_then_fails_the_sample(keyed_s
 
 
 def test_config_checks_the_key_file(tmp_path):
-    from extraction.config import ConfigError, build_config
+    from extraction.inputs.config import ConfigError, build_config
 
     base = {"model": "m", "dataset": "d", "output": "o", "backend": "sglang", "server_url": "http://x"}
     assert build_config({**base, "api_key_file": _key_file(tmp_path, KEY)}).api_key_file.endswith("sglang-api-key")

@@ -31,7 +31,7 @@ from hsx_run_helpers import (
     run,
 )
 
-from extraction.dataset import scan_dataset
+from extraction.inputs.dataset import scan_dataset
 from extraction.sglang import hook
 from extraction.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK

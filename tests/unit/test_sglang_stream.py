@@ -16,7 +16,7 @@ import pytest
 from hsx_run_helpers import assert_complete, assert_same_shards, load_shards, make_cfg, run
 from test_sglang_backend import LAYERS, _standin, samples
 
-from extraction.dataset import scan_dataset
+from extraction.inputs.dataset import scan_dataset
 from extraction.sglang import dumps, hook
 from extraction.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK

@@ -16,7 +16,7 @@ from hsx_run_helpers import SharedBackend, make_cfg, run
 from shard_helpers import make_run, manifest
 
 from extraction.backends.hf import HFBackend
-from extraction.dataset import ROW_SHAPES
+from extraction.inputs.dataset import ROW_SHAPES
 from extraction.shards import ManifestMismatchError, ShardWriter
 from extraction.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK

@@ -12,7 +12,7 @@ the tokenizer and errors.jsonl can encode it without a check of their own.
 
 A row is bounded: one longer than --max-row-bytes is a row error, read past in pieces, never parsed
 (DEFAULT_MAX_ROW_BYTES); the dataset is opened without blocking (a FIFO is refused, not waited on).
-Tokenization is extraction/chat_tokenizer.py's (imported from here too).
+Tokenization is extraction/inputs/chat_tokenizer.py's.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from extraction import config
-from extraction.preflight import open_regular_file
+from extraction.inputs import config
+from extraction.inputs.preflight import open_regular_file
 
 ROLE_NAMES = {
     "system": "system",
@@ -328,14 +328,3 @@ def read_conversations(
         for e in entries:
             f.seek(e.offset)
             yield parse_line(f.readline(max_row_bytes + 2), e.line)
-
-
-# The tokenization half, moved to extraction/chat_tokenizer.py; importable from here as before.
-from extraction.chat_tokenizer import (  # noqa: E402, F401
-    TOKENIZER_FILES,
-    ChatTokenizer,
-    chat_template_of,
-    load_tokenizer,
-    sha256_text,
-    tokenizer_hash,
-)

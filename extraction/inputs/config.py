@@ -14,7 +14,7 @@ from typing import Any
 
 from hsx.layout import DEFAULT_DUMP_DIR
 
-# The dataset's row bound (extraction/dataset.py holds the why); a literal here so that checking
+# The dataset's row bound (extraction/inputs/dataset.py holds the why); a literal here so that checking
 # the options imports nothing heavy (the dataset module imports torch).
 DEFAULT_MAX_ROW_BYTES = 8 << 20
 

@@ -1,6 +1,6 @@
 """Tokenization: a conversation through the target's chat template, its loss mask, its bound.
 
-ChatTokenizer renders a conversation (extraction/dataset.py's Conversation) with the chat
+ChatTokenizer renders a conversation (extraction/inputs/dataset.py's Conversation) with the chat
 template, tokenizes it and marks the assistant's tokens; with a token bound (--max-length, else
 the model's context) it cuts the sample to it, and a long text already before it is tokenized
 (ChatTokenizer._cut_point says why that is safe). The tokenizer's identity for run.json
@@ -23,7 +23,7 @@ import torch
 from extraction.backends.base import Sample
 
 if TYPE_CHECKING:
-    from extraction.dataset import Conversation
+    from extraction.inputs.dataset import Conversation
 
 # Tokens beyond --max-length tokenized before the cut text is trusted to hold the first ones (see
 # ChatTokenizer._cut_point).

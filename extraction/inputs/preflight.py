@@ -17,8 +17,8 @@ import os
 import stat
 from typing import Any
 
-from extraction import layers as layer_mod
-from extraction.config import ExtractConfig
+from extraction.inputs import layers as layer_mod
+from extraction.inputs.config import ExtractConfig
 
 # A sample's size when neither --max-length nor the model's config.json says (runner/plan.py's too).
 UNTRUNCATED_TOKENS = 32768
