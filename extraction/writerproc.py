@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy
 import torch
 
-from extraction.childgen import FRAME, reap, send_message
+from extraction.process.childgen import FRAME, reap, send_message
 from extraction.publisher import BatchPublisher, Item, Outcome
 
 HEADER = 4096  # the arena's first page: flags the child reads before each shard

@@ -22,11 +22,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from extraction import heap
 from extraction.backends.base import Backend
 from extraction.diskguard import DiskGuard, estimate_shard_bytes
 from extraction.inputs.config import ExtractConfig
-from extraction.outputlock import OutputLock
+from extraction.process import heap
+from extraction.process.outputlock import OutputLock
 from extraction.publisher import BatchPublisher, Publisher
 from extraction.runner.forward import (
     Forward,

@@ -8,7 +8,7 @@ Contract:
   line) and left out; the run goes on.
 - A pending sample cut to the model's context (no --max-length given: a cut nobody asked for) is
   recorded in errors.jsonl, kind "truncated" (not an error: its shard is written).
-- By default it tokenizes in a child forked before the model loads (extraction/childgen.py; its
+- By default it tokenizes in a child forked before the model loads (extraction/process/childgen.py; its
   Python never holds this process's GIL), a thread here only putting its batches on the queue;
   `in_process=False` (or no fork) tokenizes on that thread. Either way the same samples, bit for
   bit. The child never writes to the output (it drops the output's lock at once), ignores
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from extraction.backends.base import Sample
-from extraction.childgen import ChildFailed, ChildGenerator
 from extraction.inputs.chat_tokenizer import ChatTokenizer
 from extraction.inputs.config import ExtractConfig
 from extraction.inputs.dataset import DatasetEntry, RowError, read_conversations
 from extraction.inputs.preflight import UNTRUNCATED_TOKENS
-from extraction.outputlock import OutputLock
+from extraction.process.childgen import ChildFailed, ChildGenerator
+from extraction.process.outputlock import OutputLock
 from extraction.publisher import Work
 from extraction.runner.lifecycle import Lifecycle
 from extraction.runner.plan import QUEUE_BATCHES, batches_of_window

@@ -44,7 +44,7 @@ from extraction.inputs.chat_tokenizer import (
 from extraction.inputs.config import ExtractConfig
 from extraction.inputs.dataset import DatasetScan, scan_dataset
 from extraction.inputs.preflight import InputError, check_inputs
-from extraction.outputlock import OutputBusy, OutputLock
+from extraction.process.outputlock import OutputBusy, OutputLock
 from extraction.runner.lifecycle import RunError
 from extraction.shards import ManifestMismatchError, ShardWriter
 from hsx.buckets import DEFAULT_BUCKETS, AssignError, check_buckets, parse_assign

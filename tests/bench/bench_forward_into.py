@@ -31,7 +31,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runner_sides  # noqa: E402
 
-from extraction import heap  # noqa: E402
+from extraction.process import heap  # noqa: E402
 from extraction.runner import iter_batches_for_bench  # noqa: E402
 from extraction.runner.publish_process import WRITER_BUFFER_BATCHES, writer_buffer_bytes  # noqa: E402
 from extraction.writerproc import Arena, ArenaFull  # noqa: E402

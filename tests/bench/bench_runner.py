@@ -52,8 +52,8 @@ from runner_sides import (  # noqa: E402  (this folder: on sys.path when run as 
     sync_save_loop,
 )
 
-from extraction import heap  # noqa: E402
 from extraction.backends.hf import torch_dtype  # noqa: E402
+from extraction.process import heap  # noqa: E402
 from extraction.runner import iter_batches_for_bench  # noqa: E402
 from extraction.runner import plan as plan_mod  # noqa: E402
 from extraction.runner.timing import thread_usage  # noqa: E402
@@ -165,7 +165,7 @@ def main() -> int:
             print("shard writer: torch.save (this code has no torchzip)")
         forward_only(backend, batches[:2], args.device)  # warm-up
         forward_copy(backend, batches[:2], args.device)
-        # On a CPU the runner keeps what malloc frees (extraction/heap.py), for its whole process,
+        # On a CPU the runner keeps what malloc frees (extraction/process/heap.py), for its whole process,
         # this one included: forward-only under glibc's own thresholds first, for the record.
         untuned = (
             [forward_only(backend, batches, args.device) for _ in range(2)] if args.device == "cpu" else []
@@ -177,7 +177,7 @@ def main() -> int:
             tuned = [forward_only(backend, batches, args.device) for _ in range(2)]
             print(
                 f"forward-only under glibc's default malloc {min(untuned):.2f}s (best of 2); after the "
-                f"runner kept freed memory (extraction/heap.py: {heap.keep_freed_memory()}) "
+                f"runner kept freed memory (extraction/process/heap.py: {heap.keep_freed_memory()}) "
                 f"{min(tuned):.2f}s: every side below runs with the runner's setting"
             )
         env_name, _, env_values = args.env.partition("=")

@@ -39,8 +39,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runner_sides  # noqa: E402
 
-from extraction import heap  # noqa: E402
 from extraction.backends.hf import HFBackend  # noqa: E402
+from extraction.process import heap  # noqa: E402
 from extraction.runner import iter_batches_for_bench  # noqa: E402
 
 TRACEFS = Path("/sys/kernel/tracing")

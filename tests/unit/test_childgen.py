@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from extraction.childgen import ChildFailed, ChildGenerator
+from extraction.process.childgen import ChildFailed, ChildGenerator
 
 
 def test_items_come_from_another_process_in_order():

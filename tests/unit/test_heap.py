@@ -1,4 +1,4 @@
-"""extraction/heap.py: malloc keeps what it frees (no fault per reuse), and hands it back when asked.
+"""extraction/process/heap.py: malloc keeps what it frees (no fault per reuse), and hands it back when asked.
 
 Each case runs in a child interpreter: the setting is process-wide and cannot be undone."""
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 
 _PROBE = r"""
 import ctypes, resource, sys
-from extraction import heap
+from extraction.process import heap
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]

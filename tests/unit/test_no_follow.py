@@ -23,7 +23,7 @@ from hsx_run_helpers import make_cfg, run
 from shard_helpers import make_run, manifest, tensors
 
 from extraction.export import view as ev
-from extraction.outputlock import LOCK_NAME, OutputLock
+from extraction.process.outputlock import LOCK_NAME, OutputLock
 from extraction.runner.lifecycle import Lifecycle, RunError
 from extraction.shards import ShardWriter, remove_orphan_temps
 from extraction.tiny import write_tiny_dataset

@@ -1,4 +1,4 @@
-"""One runner per output directory (extraction/outputlock.py), with the real runner and a real
+"""One runner per output directory (extraction/process/outputlock.py), with the real runner and a real
 second process holding the lock."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from hsx_run_helpers import SharedBackend, make_cfg, one_thread, run  # noqa: F401  (one_thread: autouse)
 
 from extraction.backends.hf import HFBackend
-from extraction.outputlock import LOCK_NAME, OutputBusy, OutputLock
+from extraction.process.outputlock import LOCK_NAME, OutputBusy, OutputLock
 from extraction.runner import Runner
 from extraction.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_PAUSED
@@ -21,7 +21,7 @@ from hsx.index import load_index
 
 _HOLD = """
 import os, socket, sys, time
-from extraction.outputlock import OutputLock
+from extraction.process.outputlock import OutputLock
 lock = OutputLock(sys.argv[1])
 lock.acquire()
 if len(sys.argv) > 3:  # another pid recorded as the holder: a runner killed since
@@ -105,7 +105,7 @@ def test_a_filesystem_without_locks_runs_unlocked_saying_so(
 ) -> None:
     import errno
 
-    from extraction import outputlock
+    from extraction.process import outputlock
 
     def no_locks(_fd, _op):
         raise OSError(errno.ENOLCK, "No locks available")
