@@ -6,13 +6,13 @@
   forward.py    the backend call, with retries and the one-by-one search for a bad sample
   stream.py     the same for a server backend (sglang): a window of requests always in flight
   publish.py    the Publisher a run uses (--publisher), and the in-process one (writer threads)
-  publish_process.py   the writer-process Publisher (the runner's side of extraction/writerproc.py)
+  publish_process.py   the writer-process Publisher (the runner's side of extraction/publish/writerproc.py)
   lifecycle.py  the run's state: signals, the pause, errors.jsonl, status, the exit status
   metrics.py    the Prometheus textfiles written with each status.json (OUTPUT/metrics.prom, the textfile dir)
   timing.py     where the time went (Runner.timings)
   core.py       the Runner: the stages wired together
 
-Exit statuses are module_utils/hsx/exitcodes.py's; the Publisher interface is extraction/publisher.py's.
+Exit statuses are module_utils/hsx/exitcodes.py's; the Publisher interface is extraction/publish/publisher.py's.
 """
 
 from extraction.runner.core import Runner

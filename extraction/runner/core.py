@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable
 
 from extraction.backends.base import Backend
-from extraction.diskguard import DiskGuard, estimate_shard_bytes
 from extraction.inputs.config import ExtractConfig
 from extraction.process import heap
 from extraction.process.outputlock import OutputLock
-from extraction.publisher import BatchPublisher, Publisher
+from extraction.publish.diskguard import DiskGuard, estimate_shard_bytes
+from extraction.publish.publisher import BatchPublisher, Publisher
 from extraction.runner.forward import (
     Forward,
     check_backend,

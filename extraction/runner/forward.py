@@ -32,7 +32,7 @@ import torch
 
 from extraction.backends.base import Backend, Sample, SampleStates
 from extraction.inputs.config import ExtractConfig
-from extraction.publisher import Publisher, Work
+from extraction.publish.publisher import Publisher, Work
 from extraction.runner.lifecycle import Lifecycle, RunError
 from hsx import cores
 from hsx.exitcodes import EXIT_FAILED

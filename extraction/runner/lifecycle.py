@@ -3,7 +3,7 @@ status.json's counters, the progress bar or lines (progress.py) and the exit sta
 
 Contract:
 - One Lifecycle per run, shared by every stage; it is the Ledger a Publisher reports into
-  (extraction/publisher.py). Its methods may be called from any of the run's threads.
+  (extraction/publish/publisher.py). Its methods may be called from any of the run's threads.
 - `stop_event` is set when the run must take no new batch: a signal, a pause, an abort, too many
   failures in a row. `abandon_event` (a second signal) and a pause also stop publishing
   (`stopped_writing`): what is not published stays pending, for a rerun. `forward_done`: no
@@ -30,10 +30,10 @@ from collections.abc import Callable
 from typing import Any
 
 from extraction.backends.base import Sample
-from extraction.diskguard import DiskGuard, DiskLow
 from extraction.inputs.config import ExtractConfig
 from extraction.inputs.dataset import ROW_SHAPES
-from extraction.publisher import Outcome, Work
+from extraction.publish.diskguard import DiskGuard, DiskLow
+from extraction.publish.publisher import Outcome, Work
 from extraction.runner.progress import ProgressLines, progress_mode
 from extraction.shards import DiskFullError
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_PAUSED, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE

@@ -37,7 +37,7 @@ from extraction.inputs.dataset import DatasetEntry, RowError, read_conversations
 from extraction.inputs.preflight import UNTRUNCATED_TOKENS
 from extraction.process.childgen import ChildFailed, ChildGenerator
 from extraction.process.outputlock import OutputLock
-from extraction.publisher import Work
+from extraction.publish.publisher import Work
 from extraction.runner.lifecycle import Lifecycle
 from extraction.runner.plan import QUEUE_BATCHES, batches_of_window
 from extraction.runner.timing import record_usage, thread_usage

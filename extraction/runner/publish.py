@@ -24,7 +24,7 @@ import threading
 from typing import Any
 
 from extraction.inputs.config import ExtractConfig
-from extraction.publisher import BatchPublisher, Publisher, Work, drain_threads, wait_ready
+from extraction.publish.publisher import BatchPublisher, Publisher, Work, drain_threads, wait_ready
 from extraction.runner.lifecycle import Lifecycle
 from extraction.runner.plan import QUEUE_BATCHES
 from extraction.runner.stream import STREAM_QUEUE_WORKS

@@ -1,8 +1,8 @@
 """ProcessPublisher: shards published by a forked writer process (the runner's side of
-extraction/writerproc.py), so that no thread of the forward's process makes a system call per
+extraction/publish/writerproc.py), so that no thread of the forward's process makes a system call per
 shard or holds the GIL to publish.
 
-Contract (the Publisher interface, extraction/publisher.py, and):
+Contract (the Publisher interface, extraction/publish/publisher.py, and):
 - Constructing it forks the writer process with its shared buffer (writer_buffer_bytes): call it
   before the backend loads (the child must hold no CUDA state) and before any other helper is
   forked. OSError when that cannot be done (the caller falls back to threads).
@@ -37,13 +37,8 @@ import torch
 from extraction.backends.base import Sample, SampleStates
 from extraction.backends.hf import dtype_name
 from extraction.inputs.config import ExtractConfig
-from extraction.publisher import DRAIN_WRITER_THREADS, BatchPublisher, Item, Work, wait_ready
-from extraction.runner.lifecycle import Lifecycle
-from extraction.runner.plan import QUEUE_BATCHES
-from extraction.runner.resume import ITEMSIZE
-from extraction.runner.timing import record_usage, thread_usage
-from extraction.shards.filebytes import in_memory
-from extraction.writerproc import (
+from extraction.publish.publisher import DRAIN_WRITER_THREADS, BatchPublisher, Item, Work, wait_ready
+from extraction.publish.writerproc import (
     FLAG_ABANDON,
     FLAG_DRAIN,
     Arena,
@@ -54,6 +49,11 @@ from extraction.writerproc import (
     WriterProcess,
     copy_into,
 )
+from extraction.runner.lifecycle import Lifecycle
+from extraction.runner.plan import QUEUE_BATCHES
+from extraction.runner.resume import ITEMSIZE
+from extraction.runner.timing import record_usage, thread_usage
+from extraction.shards.filebytes import in_memory
 from hsx import cores
 from hsx.manifest import RunManifest
 

@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from extraction.backends.base import Sample, SampleStates
-from extraction.publisher import Work
+from extraction.publish.publisher import Work
 from extraction.runner.forward import Forward
 
 

@@ -31,7 +31,7 @@ sys.path[:0] = [
 ]
 import torch  # noqa: E402
 
-from extraction.publisher import all_finite  # noqa: E402
+from extraction.publish.publisher import all_finite  # noqa: E402
 from hsx.crc import active_crc32  # noqa: E402
 
 CRC32, _ = active_crc32()

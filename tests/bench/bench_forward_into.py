@@ -32,9 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runner_sides  # noqa: E402
 
 from extraction.process import heap  # noqa: E402
+from extraction.publish.writerproc import Arena, ArenaFull  # noqa: E402
 from extraction.runner import iter_batches_for_bench  # noqa: E402
 from extraction.runner.publish_process import WRITER_BUFFER_BATCHES, writer_buffer_bytes  # noqa: E402
-from extraction.writerproc import Arena, ArenaFull  # noqa: E402
 
 
 class Ring:

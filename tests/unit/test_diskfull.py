@@ -92,7 +92,7 @@ def test_enospc_mid_write_leaves_no_partial_shard(small_fs: Path, env, monkeypat
     logs: list[str] = []
     # No reserve and a guard that thinks shards are free (as when another process fills the
     # disk between check and write): the writer runs into ENOSPC inside torch.save or the index.
-    monkeypatch.setattr("extraction.publisher.estimate_shard_bytes", lambda *a: 0)
+    monkeypatch.setattr("extraction.publish.publisher.estimate_shard_bytes", lambda *a: 0)
     code = run(make_cfg(model, ds, out, max_length=32, batch_size=2, reserve_bytes=0), backend, logs)
     assert code == EXIT_PAUSED, logs
     assert any("disk full" in m for m in logs), logs

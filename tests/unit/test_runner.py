@@ -117,7 +117,7 @@ def test_shards_left_when_the_forward_ends_are_published_by_more_threads(
     """The drain: while the forward runs, one writer; the batches still queued when it has ended
     (the tail the run waits for) go to DRAIN_WRITER_THREADS threads at once. (Writer threads:
     the writer process's own are seen in test_writer_process.)"""
-    monkeypatch.setattr("extraction.publisher.DRAIN_WRITER_THREADS", 4)
+    monkeypatch.setattr("extraction.publish.publisher.DRAIN_WRITER_THREADS", 4)
     monkeypatch.setattr(hsx.cores, "usable_cores", lambda: 4)
     from extraction.shards.writer import ShardWriter
 

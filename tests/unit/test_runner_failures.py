@@ -17,7 +17,7 @@ from hsx_run_helpers import (
     run,
 )
 
-from extraction.publisher import all_finite
+from extraction.publish.publisher import all_finite
 from extraction.runner.lifecycle import Lifecycle
 from extraction.shards.verify import verify_output
 from extraction.tiny import write_tiny_dataset
@@ -178,7 +178,7 @@ def test_a_writer_bug_after_a_pause_fails_the_run(
 ) -> None:
     """A pause exits 75, which a job unit retries once space is freed; a bug beside it must not
     hide behind it: failed (exit 1), the status saying both."""
-    from extraction.diskguard import DiskLow
+    from extraction.publish.diskguard import DiskLow
 
     def pause_then_break(self, work, outcome):
         self.pause_run(DiskLow(free=1, reserve=2, needed=3, path=str(tmp_path)))

@@ -22,14 +22,9 @@ from hsx_run_helpers import (
 from shard_helpers import manifest, tensors
 
 from extraction.backends.hf import HFBackend
-from extraction.diskguard import DiskGuard
-from extraction.publisher import BatchPublisher
-from extraction.runner import Runner, publish_process
-from extraction.runner.publish_process import ProcessPublisher
-from extraction.shards import ShardWriter
-from extraction.shards.verify import verify_output
-from extraction.tiny import write_tiny_dataset
-from extraction.writerproc import (
+from extraction.publish.diskguard import DiskGuard
+from extraction.publish.publisher import BatchPublisher
+from extraction.publish.writerproc import (
     ALIGN,
     FLAG_ABANDON,
     HEADER,
@@ -40,6 +35,11 @@ from extraction.writerproc import (
     WriterProcess,
     copy_into,
 )
+from extraction.runner import Runner, publish_process
+from extraction.runner.publish_process import ProcessPublisher
+from extraction.shards import ShardWriter
+from extraction.shards.verify import verify_output
+from extraction.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK
 from hsx.index import load_index
 from hsx.layout import INDEX_NAME, shard_relpath

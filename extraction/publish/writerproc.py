@@ -39,7 +39,7 @@ import numpy
 import torch
 
 from extraction.process.childgen import FRAME, reap, send_message
-from extraction.publisher import BatchPublisher, Item, Outcome
+from extraction.publish.publisher import BatchPublisher, Item, Outcome
 
 HEADER = 4096  # the arena's first page: flags the child reads before each shard
 ALIGN = 256

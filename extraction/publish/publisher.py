@@ -25,7 +25,7 @@ import numpy
 import torch
 
 from extraction.backends.base import Sample, SampleStates
-from extraction.diskguard import DiskGuard, DiskLow, estimate_shard_bytes
+from extraction.publish.diskguard import DiskGuard, DiskLow, estimate_shard_bytes
 from extraction.shards import DiskFullError, ShardDataError, ShardWriter
 from hsx import cores
 from hsx.index import IndexEntry
