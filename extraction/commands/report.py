@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from extraction.report import build
+from extraction.fleet.report import build
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from property_settings import PROPERTY
 
 from extraction.cli import main
-from extraction.report import host_report
+from extraction.fleet.report import host_report
 from hsx.exitcodes import EXIT_USAGE
 from hsx.manifest import ManifestError, read_manifest_dict
 from hsx.status import describe, now_iso, pid_alive, process_gone, read_status, summarize

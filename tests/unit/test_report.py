@@ -1,4 +1,4 @@
-"""extraction/report.py: per-host JSON and summary.md from the facts recover.yml dumps."""
+"""extraction/fleet/report.py: per-host JSON and summary.md from the facts recover.yml dumps."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from extraction.cli import build_parser, main
 from extraction.fleet.playbook import run_playbook
-from extraction.report import build, host_report, stage_of_task, summary_markdown
+from extraction.fleet.report import build, host_report, stage_of_task, summary_markdown
 
 RECOVERED = {
     "host": "node-1", "mode": "apply",

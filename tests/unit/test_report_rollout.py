@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from extraction.report import build
+from extraction.fleet.report import build
 
 
 def _facts(host: str, outcome: str, running: str, failed: bool = False) -> dict:

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from extraction.fleet import playbook
-from extraction.report import build
+from extraction.fleet.report import build
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "s3cret-value"
