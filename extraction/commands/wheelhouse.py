@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from extraction.wheelhouse import WheelhouseError, build
+from extraction.deploy.wheelhouse import WheelhouseError, build
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK
 
 

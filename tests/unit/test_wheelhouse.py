@@ -5,7 +5,7 @@ from __future__ import annotations
 import tarfile
 from pathlib import Path
 
-from extraction.wheelhouse import _complete, source_digest, write_archive
+from extraction.deploy.wheelhouse import _complete, source_digest, write_archive
 
 
 def make_wheels(dest: Path, names: list[str]) -> None:

@@ -34,7 +34,7 @@ class WheelhouseError(RuntimeError):
 
 def source_root() -> Path:
     """The checkout this package runs from (an editable install on the control node)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # extraction/deploy/wheelhouse.py -> the checkout
     if not (root / "pyproject.toml").is_file():
         raise WheelhouseError(
             f"{root} is not a source checkout (no pyproject.toml): build the wheelhouse "
