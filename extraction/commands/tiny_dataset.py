@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from extraction.tiny import write_tiny_dataset
+    from extraction.testbed.tiny import write_tiny_dataset
 
     if args.n < 0:
         print("hsx tiny-dataset: -n must be >= 0", file=sys.stderr)

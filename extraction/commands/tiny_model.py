@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from extraction.tiny import LAYERS
+from extraction.testbed.tiny import LAYERS
 from hsx.exitcodes import EXIT_OK, EXIT_USAGE
 
 
@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from extraction.tiny import build_tiny_model
+    from extraction.testbed.tiny import build_tiny_model
 
     try:
         out = build_tiny_model(args.dir, seed=args.seed, hidden=args.hidden, layers=args.layers)

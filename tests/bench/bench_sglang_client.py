@@ -60,7 +60,7 @@ DEFAULT_DUMP_DIR = getattr(layout, "DEFAULT_DUMP_DIR", None) or "/dev/shm/hsx-du
 
 def bench_model(work: Path, tokens: int) -> Path:
     """The tiny model's tokenizer with a K2.5-wide config.json (no weights: the server has none)."""
-    from extraction.tiny import build_tiny_model
+    from extraction.testbed.tiny import build_tiny_model
 
     model = work / "k25-null"
     if not (model / "config.json").exists():
@@ -77,7 +77,7 @@ def bench_model(work: Path, tokens: int) -> Path:
 
 def bench_dataset(work: Path, n: int, tokens: int) -> Path:
     """n conversations of well over `tokens` tokens (--max-length cuts them to exactly that)."""
-    from extraction.tiny import tiny_conversations
+    from extraction.testbed.tiny import tiny_conversations
 
     path = work / f"long-{n}.jsonl"
     words = " ".join(m["content"] for r in tiny_conversations(64, seed=1) for m in r.get("messages", []))

@@ -41,7 +41,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "module_utils"))
-from extraction.tiny import build_tokenizer, write_tiny_dataset  # noqa: E402
+from extraction.testbed.tiny import build_tokenizer, write_tiny_dataset  # noqa: E402
 from hsx.index import load_index  # noqa: E402
 from hsx.layout import KEY_AUX, KEY_HIDDEN, KEY_INPUT_IDS  # noqa: E402
 from tests.bench.bench_hook_forward import deepseek_v3_config, random_model  # noqa: E402

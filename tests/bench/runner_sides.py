@@ -28,7 +28,7 @@ from extraction.inputs.dataset import DatasetEntry, scan_dataset  # noqa: E402
 from extraction.runner import Runner  # noqa: E402
 from extraction.runner.timing import thread_usage  # noqa: E402
 from extraction.shards import ShardWriter  # noqa: E402
-from extraction.tiny import build_tiny_model, write_tiny_dataset  # noqa: E402
+from extraction.testbed.tiny import build_tiny_model, write_tiny_dataset  # noqa: E402
 from hsx.index import IndexEntry, encode_index_line, index_record  # noqa: E402
 from hsx.layout import INDEX_NAME, shard_relpath  # noqa: E402
 

@@ -25,7 +25,7 @@ from extraction.backends.hf import HFBackend  # noqa: E402
 from extraction.inputs.config import build_config  # noqa: E402
 from extraction.runner import Runner  # noqa: E402
 from extraction.shards.verify import verify_output  # noqa: E402
-from extraction.tiny import build_tiny_model, write_tiny_dataset  # noqa: E402
+from extraction.testbed.tiny import build_tiny_model, write_tiny_dataset  # noqa: E402
 from hsx.exitcodes import EXIT_OK  # noqa: E402
 from hsx.index import load_index  # noqa: E402
 

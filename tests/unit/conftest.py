@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The deterministic tiny DeepSeek-V3-architecture model (seed 0); treat as read-only."""
-    from extraction.tiny import build_tiny_model
+    from extraction.testbed.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
 
@@ -60,7 +60,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """hsx_run_helpers.N tiny samples (seed 7), written once per test module."""
     from hsx_run_helpers import N
 
-    from extraction.tiny import write_tiny_dataset
+    from extraction.testbed.tiny import write_tiny_dataset
 
     return write_tiny_dataset(tmp_path_factory.mktemp("ds") / "d.jsonl", N, seed=7)
 

@@ -41,7 +41,7 @@ def states() -> dict[str, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
     """rid -> (input_ids [L], HF hidden_states of that request alone)."""
     from transformers import DeepseekV3Config, DeepseekV3Model
 
-    from extraction.tiny import model_config_kwargs
+    from extraction.testbed.tiny import model_config_kwargs
 
     torch.manual_seed(0)
     model = DeepseekV3Model(DeepseekV3Config(**model_config_kwargs())).to(torch.bfloat16).eval()

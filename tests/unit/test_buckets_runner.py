@@ -16,7 +16,7 @@ from hsx_run_helpers import make_cfg, run
 from extraction.inputs.config import ConfigError
 from extraction.runner import resume as resume_mod
 from extraction.runner.plan import assigned_to
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.bucketcount import count_totals, read_bucket_totals
 from hsx.buckets import bucket_of
 from hsx.exitcodes import EXIT_OK, EXIT_USAGE

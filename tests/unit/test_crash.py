@@ -30,7 +30,7 @@ from hsx_run_helpers import (
 from extraction.backends.hf import HFBackend
 from extraction.inputs.dataset import scan_dataset
 from extraction.publish import writerproc
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
 from hsx.index import load_index
 from hsx.layout import SHARD_KEYS

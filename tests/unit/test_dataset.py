@@ -190,7 +190,7 @@ def _odd_conversations() -> list[Conversation]:
 @pytest.mark.parametrize("max_length", [None, 64])
 def test_fast_paths_give_the_reference_ids_and_masks(tmp_path: Path, tok, max_length) -> None:
     # Batched renders, the Rust backend called directly and the tensor mask must change nothing.
-    from extraction.tiny import write_tiny_dataset
+    from extraction.testbed.tiny import write_tiny_dataset
 
     ds = write_tiny_dataset(tmp_path / "d.jsonl", 300, seed=4)
     convs = list(read_conversations(ds, scan_dataset(ds).entries)) + _odd_conversations()

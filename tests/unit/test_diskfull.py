@@ -17,7 +17,7 @@ from hsx_run_helpers import (
 
 from extraction.backends.hf import HFBackend
 from extraction.inputs.dataset import scan_dataset
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK, EXIT_PAUSED
 from hsx.fsutil import find_orphan_temps
 from hsx.index import load_index

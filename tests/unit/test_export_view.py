@@ -22,7 +22,7 @@ from extraction.cli import main
 from extraction.export import links as export_links
 from extraction.export import view as ev
 from extraction.shards.verify import verify_output
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK
 from hsx.index import load_index
 from hsx.layout import MANIFEST_NAME, QUARANTINE_DIR, SHARD_KEYS

@@ -26,7 +26,7 @@ from property_settings import PROPERTY
 from extraction.cli import main
 from extraction.export import view as ev
 from extraction.export.mapping import ExportError, read_mapping
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK
 from hsx.index import load_index
 

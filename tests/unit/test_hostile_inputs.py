@@ -26,7 +26,7 @@ from property_settings import PROPERTY
 from extraction.cli import main
 from extraction.inputs.dataset import RowError, content_id, parse_line, scan_dataset
 from extraction.runner.plan import assigned_to
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK
 from hsx.index import load_index
 from hsx.status import ERRORS_NAME, read_status

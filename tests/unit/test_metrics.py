@@ -15,7 +15,7 @@ from promtool import promtool
 from extraction.backends.hf import HFBackend
 from extraction.inputs.config import ConfigError
 from extraction.runner.metrics import METRICS_NAME, render, textfile_name, write_textfile
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK, EXIT_PAUSED
 from hsx.status import STATES, read_status
 

@@ -26,7 +26,7 @@ from extraction.export import view as ev
 from extraction.process.outputlock import LOCK_NAME, OutputLock
 from extraction.runner.lifecycle import Lifecycle, RunError
 from extraction.shards import ShardWriter, remove_orphan_temps
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_USAGE
 from hsx.index import append_index, index_record, load_index
 from hsx.layout import INDEX_NAME, QUARANTINE_DIR, SHARDS_DIR, bucket_of

@@ -15,7 +15,7 @@ from hsx_run_helpers import SharedBackend, make_cfg, one_thread, run  # noqa: F4
 from extraction.backends.hf import HFBackend
 from extraction.process.outputlock import LOCK_NAME, OutputBusy, OutputLock
 from extraction.runner import Runner
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_PAUSED
 from hsx.index import load_index
 

@@ -19,7 +19,7 @@ from hsx_run_helpers import (
 
 from extraction.backends.hf import HFBackend
 from extraction.inputs.dataset import scan_dataset
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from hsx.index import load_index
 from hsx.layout import MANIFEST_NAME

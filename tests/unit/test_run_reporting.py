@@ -15,7 +15,7 @@ from hsx_run_helpers import SharedBackend, make_cfg, one_thread, run  # noqa: F4
 
 from extraction.backends.hf import HFBackend
 from extraction.runner.progress import MODES, ProgressLines, progress_mode
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_PAUSED, EXIT_SIGINT, EXIT_USAGE
 from hsx.status import StatusReporter
 

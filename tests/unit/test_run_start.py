@@ -14,7 +14,7 @@ import pytest
 from hsx_run_helpers import SharedBackend, make_cfg, one_thread, run  # noqa: F401  (one_thread: autouse)
 
 from extraction.backends.hf import HFBackend
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from hsx.layout import MANIFEST_NAME
 

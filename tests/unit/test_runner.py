@@ -24,7 +24,7 @@ from hsx_run_helpers import (
 
 import hsx.cores
 from extraction.runner import Runner
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK, EXIT_PAUSED, EXIT_USAGE
 from hsx.index import load_index
 from hsx.layout import INDEX_NAME, MANIFEST_NAME

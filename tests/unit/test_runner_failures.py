@@ -20,7 +20,7 @@ from hsx_run_helpers import (
 from extraction.publish.publisher import all_finite
 from extraction.runner.lifecycle import Lifecycle
 from extraction.shards.verify import verify_output
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_PAUSED
 from hsx.fsutil import find_orphan_temps
 from hsx.index import load_index

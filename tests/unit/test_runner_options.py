@@ -31,7 +31,7 @@ from extraction.runner.forward import forward_cpu_threads
 from extraction.runner.plan import QUEUE_BATCHES, assigned_to
 from extraction.runner.produce import TOKENIZE_AHEAD_BYTES, tokenize_ahead_batches
 from extraction.shards.verify import verify_output
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from hsx.index import load_index
 from hsx.status import ERRORS_NAME, read_status

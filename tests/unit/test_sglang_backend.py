@@ -149,7 +149,7 @@ def test_extract_with_the_sglang_backend_publishes_through_either_publisher(serv
     from hsx_run_helpers import assert_complete, assert_same_shards, load_shards, make_cfg, run
 
     from extraction.inputs.dataset import scan_dataset
-    from extraction.tiny import write_tiny_dataset
+    from extraction.testbed.tiny import write_tiny_dataset
     from hsx.exitcodes import EXIT_OK
 
     srv, dump_dir = server
@@ -204,7 +204,7 @@ def test_the_client_waits_for_renames_without_sleeping_and_gives_the_hf_shards(
     from extraction.backends import sglang as sglang_backend
     from extraction.inputs.dataset import scan_dataset
     from extraction.sglang import dumps
-    from extraction.tiny import write_tiny_dataset
+    from extraction.testbed.tiny import write_tiny_dataset
     from hsx.exitcodes import EXIT_OK
 
     srv, dump_dir = server

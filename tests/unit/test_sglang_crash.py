@@ -33,7 +33,7 @@ from hsx_run_helpers import (
 
 from extraction.inputs.dataset import scan_dataset
 from extraction.sglang import hook
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK
 from hsx.index import load_index
 

@@ -18,7 +18,7 @@ from test_sglang_backend import LAYERS, _standin, samples
 
 from extraction.inputs.dataset import scan_dataset
 from extraction.sglang import dumps, hook
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_OK
 from hsx.index import load_index
 

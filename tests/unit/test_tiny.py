@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from extraction.cli import main
-from extraction.tiny import tiny_conversations
+from extraction.testbed.tiny import tiny_conversations
 
 
 def _hashes(d: Path) -> dict[str, str]:

@@ -18,7 +18,7 @@ from shard_helpers import make_run, manifest
 from extraction.backends.hf import HFBackend
 from extraction.inputs.dataset import ROW_SHAPES
 from extraction.shards import ManifestMismatchError, ShardWriter
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK
 from hsx.index import load_index
 from hsx.layout import MANIFEST_NAME

@@ -39,7 +39,7 @@ from extraction.runner import Runner, publish_process
 from extraction.runner.publish_process import ProcessPublisher
 from extraction.shards import ShardWriter
 from extraction.shards.verify import verify_output
-from extraction.tiny import write_tiny_dataset
+from extraction.testbed.tiny import write_tiny_dataset
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK
 from hsx.index import load_index
 from hsx.layout import INDEX_NAME, shard_relpath
