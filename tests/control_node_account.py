@@ -1,24 +1,34 @@
-"""Running a playbook as an unprivileged account on the control node (issue #39 item 5).
+"""Running playbooks as an unprivileged account on the control node (issue #39 item 5).
 
-The account (tests/integration/conftest.py's fixture `operator`: a fresh local user, no sudo here)
-gets its own copy of the checkout, the lab's inventory with its own copies of the lab key and
-known_hosts, and an ansible-playbook it can run. `run_as_operator` runs one playbook that way;
-`owned_by_root` lists what, under the account's home (the checkout copy included), root owns after.
-Used by test_control_node_user.py (recover.yml, provision.yml) and test_rollout.py (rollout_patch.yml).
+`operator_account()` makes a fresh local user (no sudo here) with what an operator has on their own
+workstation: a copy of the checkout, its own wheelhouse directory (seeded with the root lab's wheels,
+so the build stage finds every dependency and needs no network), the lab's inventory with its own
+copies of the lab key and known_hosts, and an ansible-playbook it can run whose `hsx` imports the
+account's checkout (PYTHONPATH; an editable install of that checkout does the same). Everything the
+playbooks run on the control node - the wheelhouse build, the reports, ansible's own files - runs as
+that account. `Operator.playbook` runs one playbook that way; `Operator.owned_by_root` lists what,
+under the account's home (the checkout copy included), root owns after.
+Used by test_incident.py (recover.yml), test_provision.py (provision.yml) and test_rollout.py
+(rollout_patch.yml), each a real run, not a --check.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
-from labctl import BIN, REPO, _lab_module
+from labctl import BIN, REPO, WHEELHOUSE, PlaybookRun, _lab_module
 
 OPERATOR = f"hsxop{os.environ.get('HSX_LAB_ID', '')}"
 
@@ -50,7 +60,7 @@ def operator_inventory(checkout: Path, ssh_dir: Path) -> Path:
                   "ansible_ssh_common_args": data["lab"]["vars"]["ansible_ssh_common_args"].replace(
                       str(lab.known_hosts_file()), str(ssh_dir / "known_hosts"))}
     inventory = checkout / "inventory" / "operator"
-    shutil.copytree(checkout / "inventory" / "lab" / "group_vars", inventory / "group_vars")
+    shutil.copytree(checkout / "inventory" / "lab" / "group_vars", inventory / "group_vars", dirs_exist_ok=True)
     hosts = {name: data["_meta"]["hostvars"][name] for name in data["lab"]["hosts"]}
     (inventory / "hosts.yml").write_text(yaml.safe_dump({"extraction_nodes": {"hosts": hosts, "vars": group_vars}}))
     return inventory / "hosts.yml"
@@ -77,23 +87,73 @@ def controller(home: Path) -> Path:
     return venv / "bin" / "ansible-playbook"
 
 
-def run_as_operator(account: pwd.struct_passwd, home: Path, *args: str,
-                    timeout: int = 1200) -> subprocess.CompletedProcess:
-    """ansible-playbook `args` run as the account from its copy of the checkout (cwd), on the lab's
-    inventory (-i given here), in a clean environment (HOME, USER, PATH only; no ssh master kept).
-    Files the run needs besides the checkout go under `home` before the call (it is chowned here)."""
-    checkout = home / "hsx"
-    copy_checkout(checkout)
-    inventory = operator_inventory(checkout, home / ".ssh")
-    ansible_playbook = controller(home)
-    subprocess.run(["chown", "-R", f"{account.pw_uid}:{account.pw_gid}", str(home)], check=True)
-    return subprocess.run(
-        ["runuser", "-u", OPERATOR, "--", "env", "-i", f"HOME={home}", f"USER={OPERATOR}",
-         f"PATH={ansible_playbook.parent}:/usr/bin:/bin", "ANSIBLE_NOCOLOR=1", "ANSIBLE_FORCE_COLOR=0",
-         "ANSIBLE_SSH_ARGS=-o ControlMaster=no", str(ansible_playbook), "-i", str(inventory), *args],
-        cwd=checkout, capture_output=True, text=True, timeout=timeout)
+@dataclass
+class Operator:
+    """The account, its home, its checkout (the playbooks' cwd) and its ansible-playbook."""
+
+    account: pwd.struct_passwd
+    home: Path
+    checkout: Path
+    ansible_playbook: Path
+
+    @property
+    def reports(self) -> Path:
+        """Where the playbooks write their reports by default (the checkout's reports/)."""
+        return self.checkout / "reports"
+
+    def give(self, path: Path) -> Path:
+        """A file or tree a test put under the home for a run (an -e @file) becomes the account's."""
+        subprocess.run(["chown", "-R", f"{self.account.pw_uid}:{self.account.pw_gid}", str(path)], check=True)
+        return path
+
+    def playbook(self, *args: str, timeout: int = 1200) -> PlaybookRun:
+        """ansible-playbook `args` as the account, from its checkout, on the lab's inventory (its hosts
+        now), in a clean environment (HOME, USER, PATH, PYTHONPATH only; its ssh masters end with the account)."""
+        inventory = operator_inventory(self.checkout, self.home / ".ssh")
+        self.give(inventory.parent)
+        self.give(self.home / ".ssh")
+        env = [f"HOME={self.home}", f"USER={OPERATOR}", f"PATH={self.ansible_playbook.parent}:/usr/bin:/bin",
+               f"PYTHONPATH={self.checkout}:{self.checkout / 'module_utils'}",
+               "ANSIBLE_NOCOLOR=1", "ANSIBLE_FORCE_COLOR=0"]
+        proc = subprocess.run(
+            ["runuser", "-u", OPERATOR, "--", "env", "-i", *env, str(self.ansible_playbook),
+             "-i", str(inventory), *args],
+            cwd=self.checkout, capture_output=True, text=True, timeout=timeout)
+        return PlaybookRun(proc.returncode, proc.stdout + proc.stderr)
+
+    def owned_by_root(self) -> list[str]:
+        """Paths under the home (the checkout copy included) that root owns."""
+        return [str(p) for p in self.home.rglob("*") if p.lstat().st_uid == 0]
 
 
-def owned_by_root(home: Path) -> list[str]:
-    """Paths under `home` (the checkout copy included) that root owns."""
-    return [str(p) for p in home.rglob("*") if p.lstat().st_uid == 0]
+@contextlib.contextmanager
+def operator_account() -> Iterator[Operator]:
+    """A fresh account (OPERATOR) set up as above; removed with its home afterwards."""
+    home = Path("/home") / OPERATOR
+    subprocess.run(["userdel", "--remove", OPERATOR], capture_output=True)  # a run killed before its teardown
+    subprocess.run(["useradd", "--create-home", "--home-dir", str(home), "--shell", "/bin/sh", OPERATOR],
+                   check=True, capture_output=True)
+    account = pwd.getpwnam(OPERATOR)
+    try:
+        checkout = home / "hsx"
+        copy_checkout(checkout)
+        subprocess.run([str(BIN / "hsx"), "wheelhouse", str(WHEELHOUSE)], check=True, capture_output=True)
+        # The lab inventory's hsx_wheelhouse is the checkout's .cache/wheelhouse: seeded with the root
+        # lab's wheels, its manifest without the sources' digest, so that the account's first build
+        # stage really builds (`pip wheel` of its checkout, then finds every dependency present).
+        wheels = checkout / ".cache" / "wheelhouse"
+        shutil.copytree(WHEELHOUSE, wheels, ignore=shutil.ignore_patterns(".lock"))
+        manifest = json.loads((wheels / "wheelhouse.json").read_text())
+        del manifest["source_digest"]
+        (wheels / "wheelhouse.json").write_text(json.dumps(manifest))
+        operator = Operator(account, home, checkout, controller(home))
+        operator.give(home)
+        yield operator
+    finally:
+        # Only the tests ran anything as the fresh account: what is left (an ssh master) is ours to end.
+        left = subprocess.run(["ps", "-o", "pid=", "-u", str(account.pw_uid)], capture_output=True, text=True)
+        for pid in left.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGTERM)
+        gone = subprocess.run(["userdel", "--remove", OPERATOR], capture_output=True, text=True)
+        assert gone.returncode == 0, f"userdel {OPERATOR}: {gone.stderr}"

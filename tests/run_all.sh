@@ -4,7 +4,7 @@
 # Three lanes at once, each on its own lab (HSX_LAB_ID), so no lab test waits for another:
 #   pytest (this shell, the default lab): lint, then tests/unit and tests/integration but for the
 #     modules the other lanes run;
-#   lane 2 (lab $HSX_MOLECULE_LAB_ID, 9): molecule, the 4-host patch rollout (the longest lab test),
+#   lane 2 (lab $HSX_MOLECULE_LAB_ID, 9): molecule, the 3-host patch rollout (the longest lab test),
 #     then the collection (ansible-test sanity on the generated hsx.recovery; its tarball installed
 #     and run by FQCN);
 #   lane 3 (lab $HSX_FLEET_LAB_ID, 7): the fleet (#39: 3 hosts, one powered off, takeover), self-healing

@@ -74,13 +74,17 @@ def _start(stack: Stack, name: str, argv: list[str], env: dict[str, str] | None 
     return log
 
 
-def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Path) -> Stack:
+def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Path,
+          node_down_for_s: int | None = None) -> Stack:
     """Prometheus scraping `targets` ({inventory name: address}; the name as the target label hsx_host),
     Alertmanager routing to the rulebook, and the rulebook, whose remedies read `inventory` (its
-    sources: the lab's dynamic one first) and write their reports in `report_dir`."""
+    sources: the lab's dynamic one first) and write their reports in `report_dir`. The node-down
+    alert's `for:` (the takeover's window, production 10 minutes) is shortened only when
+    `node_down_for_s` is given: a lab host's power cycle must not be taken for a dead node."""
     am_port, prom_port, hook_port = free_port(), free_port(), free_port()
+    rule_edits = RULE_EDITS + ([("for: 10m", f"for: {node_down_for_s}s")] if node_down_for_s else [])
     (d / "hsx-selfheal.rules.yml").write_text(
-        edited((FILES / "hsx-selfheal.rules.yml").read_text(), RULE_EDITS, "hsx-selfheal.rules.yml"))
+        edited((FILES / "hsx-selfheal.rules.yml").read_text(), rule_edits, "hsx-selfheal.rules.yml"))
     am = yaml.safe_load((FILES / "alertmanager-selfheal.yml").read_text())
     route = am["route"]["routes"][0]
     route.update(group_wait=f"{GROUP_WAIT_S}s", group_interval=f"{GROUP_WAIT_S}s", repeat_interval=f"{REPEAT_S}s")

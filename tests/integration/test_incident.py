@@ -1,4 +1,8 @@
-"""The incident, reproduced on a fleet of 4 real lab hosts, recovered by `ansible-playbook recover.yml`.
+"""The incident, reproduced on a fleet of 4 real lab hosts, recovered by `ansible-playbook recover.yml`
+run as an operator would run it at 3 a.m.: from an unprivileged account on the control node, with sudo
+on the targets only (issue #39 item 5; tests/control_node_account.py). Everything the play does there -
+the wheelhouse build from the account's checkout, the reports - is that account's: nothing under its
+home is owned by root afterwards.
 
 hsxlab-1..3: an auto-started fake vLLM unit, a half-finished tiny-model extraction (128 of 256)
 with truncated and corrupt shards, orphan temps, a dead "running" status, nothing deployed.
@@ -11,10 +15,10 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from control_node_account import operator_account
 from labctl import REPO, lab, lab_fetch, lab_ssh, playbook
 from labctl import host as lab_host
 
@@ -25,20 +29,24 @@ BROKEN = lab_host(4)
 ASSETS = REPO / ".cache" / "lab-assets"
 
 
-def newest_report() -> Path:
-    return sorted((REPO / "reports").iterdir())[-1]
+@pytest.fixture(scope="module")
+def operator():
+    with operator_account() as account:
+        yield account
 
 
 @pytest.fixture(scope="module")
-def fleet():
+def fleet(operator):
     lab("up", "4", "--data-size", "1G", "--no-data", BROKEN)
-    planted = playbook("tests/plays/plant_incident.yml")
-    assert planted.rc == 0, planted.output[-3000:]
-    t0 = time.monotonic()
-    first = playbook("recover.yml")
-    first.seconds = time.monotonic() - t0
-    yield first
-    lab("down", check=False)
+    try:
+        planted = playbook("tests/plays/plant_incident.yml")  # the crash: root's doing, not the operator's
+        assert planted.rc == 0, planted.output[-3000:]
+        t0 = time.monotonic()
+        first = operator.playbook("recover.yml")
+        first.seconds = time.monotonic() - t0
+        yield first
+    finally:
+        lab("down", check=False)
 
 
 def wait_done(host: str, timeout: float = 600) -> dict:
@@ -52,13 +60,13 @@ def wait_done(host: str, timeout: float = 600) -> dict:
     raise AssertionError(f"{host}: extraction not done after {timeout}s: {status}")
 
 
-def test_first_run_recovers_the_good_hosts_and_reports_the_broken_one(fleet):
+def test_first_run_recovers_the_good_hosts_and_reports_the_broken_one(fleet, operator):
     recap = fleet.recap()
     assert fleet.rc != 0, "a failed host must make the play fail"
     for host in GOOD:
         assert recap[host]["failed"] == 0, fleet.output[-4000:]
     assert recap[BROKEN]["failed"] == 1
-    report_dir = newest_report()
+    (report_dir,) = operator.reports.iterdir()
     reports = {h: json.loads((report_dir / f"{h}.json").read_text()) for h in [*GOOD, BROKEN]}
     for host in GOOD:
         r = reports[host]
@@ -107,12 +115,22 @@ def test_recovered_shards_pass_deep_and_equal_a_clean_run(fleet, tmp_path):
             assert torch.equal(a[key], b[key]), (sample_id, key)
 
 
-def test_second_run_changes_nothing_and_keeps_the_jobs(fleet):
+def test_second_run_changes_nothing_and_keeps_the_jobs(fleet, operator):
     before = {h: lab_ssh(h, "systemctl show -p InvocationID --value hsx-extraction").stdout.strip() for h in GOOD}
-    second = playbook("recover.yml")
+    second = operator.playbook("recover.yml")
     recap = second.recap()
     for host in GOOD:
         assert recap[host]["changed"] == 0 and recap[host]["failed"] == 0, second.output[-4000:]
         after = lab_ssh(host, "systemctl show -p InvocationID --value hsx-extraction").stdout.strip()
         assert after == before[host], f"{host}: the job was restarted"
     assert recap[BROKEN]["failed"] == 1
+
+
+def test_nothing_the_operator_ran_left_a_root_owned_file(fleet, operator):
+    """After both runs (the wheelhouse built from its checkout, two reports written): no sudo was
+    asked on the control node, so nothing under the account's home is root's."""
+    assert len(list(operator.reports.iterdir())) == 2
+    manifest = operator.checkout / ".cache" / "wheelhouse" / "wheelhouse.json"
+    assert "source_digest" in json.loads(manifest.read_text()), "the account's build stage did not build"
+    owned = operator.owned_by_root()
+    assert not owned, owned[:20]

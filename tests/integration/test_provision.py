@@ -3,16 +3,21 @@
 The hosts start from the bare rootfs with what a real node has before we touch it: the model, the
 dataset and an SGLang release (tests/plays/plant_sglang.yml). Provisioning must leave the extraction
 venv, the patched SGLang, and the server and job units installed but not started.
+
+Both runs are an operator's (issue #39 item 5): an unprivileged control-node account with sudo on the
+targets only, building the wheelhouse from its own checkout (tests/control_node_account.py). Its
+checkout is a copy, frozen for both runs, so that another edit of this one between them cannot make
+the second run rightly install a new build. Afterwards nothing under the account's home is root's.
 """
 
 from __future__ import annotations
 
-import shutil
-import subprocess
+import json
 
 import pytest
-from labctl import BIN, WHEELHOUSE, lab, lab_ssh, playbook
+from control_node_account import operator_account
 from labctl import host as lab_host
+from labctl import lab, lab_ssh, playbook
 
 HOSTS = [lab_host(1), lab_host(2)]
 LAB_VARS = "@tests/plays/files/sglang_lab.yml"
@@ -21,29 +26,27 @@ UNITS = "hsx-sglang-server.service hsx-extraction.service"
 
 
 @pytest.fixture(scope="module")
-def provisioned(tmp_path_factory):
-    # A private copy of the wheelhouse, frozen for both runs: in a shared checkout another edit of
-    # extraction/ (or another lab's run) between the two runs would rightly make the second one
-    # install a new build. The wheelhouse build itself is the extraction_deploy tests' concern.
-    shared = WHEELHOUSE  # the lab inventory's (hsx_wheelhouse)
-    subprocess.run([str(BIN / "hsx"), "wheelhouse", str(shared)], check=True, capture_output=True)
-    wheels = tmp_path_factory.mktemp("wheelhouse") / "w"
-    shutil.copytree(shared, wheels)
-    frozen = ("-e", f"hsx_wheelhouse={wheels}", "-e", "extraction_deploy_build_wheelhouse=false")
+def operator():
+    with operator_account() as account:
+        yield account
+
+
+@pytest.fixture(scope="module")
+def provisioned(operator):
     lab("up", "2", "--data-size", "1G")
     try:
         planted = playbook("tests/plays/plant_sglang.yml", "-e", LAB_VARS)
         assert planted.rc == 0, planted.output[-3000:]
-        reports = tmp_path_factory.mktemp("reports")
-        first = playbook("playbooks/provision.yml", "-e", LAB_VARS, "-e", f"hsx_report_dir={reports}", *frozen)
-        yield first, reports, frozen
+        yield operator.playbook("playbooks/provision.yml", "-e", LAB_VARS)
     finally:
         lab("down", check=False)
 
 
-def test_provision_installs_everything_and_starts_nothing(provisioned):
-    first, reports, _ = provisioned
+def test_provision_installs_everything_and_starts_nothing(provisioned, operator):
+    first = provisioned
     assert first.rc == 0, first.output[-4000:]
+    manifest = json.loads((operator.checkout / ".cache" / "wheelhouse" / "wheelhouse.json").read_text())
+    assert "source_digest" in manifest, "the account's build stage did not build its wheelhouse"
     for host in HOSTS:
         assert first.recap()[host]["failed"] == 0
         helped = lab_ssh(host, "/opt/hsx/venv/bin/hsx --help")
@@ -62,7 +65,7 @@ def test_provision_installs_everything_and_starts_nothing(provisioned):
         enabled = lab_ssh(host, f"systemctl is-enabled {UNITS}").stdout.split()
         assert loaded == ["loaded", "loaded"] and active == ["inactive", "inactive"], (host, loaded, active)
         assert enabled == ["disabled", "disabled"], (host, enabled)
-    summary = next(reports.glob("*-provision/summary.md")).read_text()
+    summary = next(operator.reports.glob("*-provision/summary.md")).read_text()
     assert "# Provisioning report" in summary and "2 of 2 hosts ok." in summary, summary
     assert "dumps in RAM at /run/hsx-dumps: " in summary, summary  # the storage line says where, with numbers
 
@@ -78,10 +81,13 @@ def changed_tasks(output: str) -> list[str]:
     return found
 
 
-def test_second_run_changes_nothing(provisioned):
-    _, reports, frozen = provisioned
-    second = playbook("playbooks/provision.yml", "-e", LAB_VARS, "-e", f"hsx_report_dir={reports}", *frozen)
+def test_second_run_changes_nothing(provisioned, operator):
+    owned = operator.owned_by_root()  # after the first run: the second must not hide what it left
+    assert not owned, owned[:20]
+    second = operator.playbook("playbooks/provision.yml", "-e", LAB_VARS)
     recap = second.recap()
     assert second.rc == 0, second.output[-4000:]
     for host in HOSTS:
         assert recap[host]["changed"] == 0 and recap[host]["failed"] == 0, changed_tasks(second.output)
+    owned = operator.owned_by_root()
+    assert not owned, owned[:20]
