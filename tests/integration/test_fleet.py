@@ -72,8 +72,9 @@ def fleet(tmp_path_factory):
         assert run.rc == 0, run.output[-3000:]
         run = playbook("tests/plays/deploy_monitored.yml", *extra)
         assert run.rc == 0, run.output[-3000:]
-        # The loop's remedies read the lab's inventory and the fleet's settings (as an inventory source).
-        (work / "fleet-vars.yml").write_text(json.dumps({"lab": {"vars": fleet_vars}}))
+        # The loop's remedies read the lab's inventory and the fleet's settings, as host vars of a second
+        # inventory source (group vars there would lose to the lab's group_vars/all).
+        (work / "fleet-vars.yml").write_text(json.dumps({"all": {"hosts": {h: fleet_vars for h in HOSTS}}}))
         inventory = [str(REPO / "inventory" / "lab"), str(work / "fleet-vars.yml")]
         mod = _lab_module()
         running = sh.start(work, {h: mod.load_host(h).address for h in HOSTS}, inventory, work / "reports",
