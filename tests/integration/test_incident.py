@@ -13,6 +13,7 @@ and go on with the others).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 
@@ -101,7 +102,8 @@ def test_recovered_shards_pass_deep_and_equal_a_clean_run(fleet, tmp_path):
         subprocess.run([str(REPO / ".venv/bin/hsx"), "extract", "--model", str(ASSETS / "tiny-dsv3"),
                         "--dataset", str(ASSETS / "tiny-256.jsonl"), "--output", str(clean), "--layers", h["layers"],
                         "--dtype", h["dtype"], "--max-length", h["max_length"], "--batch-size", h["batch_size"],
-                        "--reserve-bytes", "16M", "--progress", "off"], check=True, capture_output=True)
+                        "--reserve-bytes", "16M", "--progress", "off"], check=True, capture_output=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))  # beside the lab's jobs (inventory/lab)
     got = tmp_path / "got"
     lab_fetch(GOOD[0], "/data/hsx/output", got, "shards", "index.jsonl")
 
