@@ -3,18 +3,22 @@
 #
 # Three lanes at once, each on its own lab (HSX_LAB_ID), so no lab test waits for another:
 #   pytest (this shell, the default lab): lint, then tests/unit and tests/integration but for the
-#     modules the other lanes run;
-#   lane 2 (lab $HSX_MOLECULE_LAB_ID, 9): molecule, the 3-host patch rollout (the longest lab test),
-#     then the collection (ansible-test sanity on the generated hsx.recovery; its tarball installed
-#     and run by FQCN);
-#   lane 3 (lab $HSX_FLEET_LAB_ID, 7): the fleet (#39: 3 hosts, one powered off, takeover), self-healing
-#     (#40: Prometheus, Alertmanager and ansible-rulebook on the control node), provisioning and the
-#     incident (test_incident.py).
-# Most of a lab test's wall time is waiting (SSH round trips, systemd, a job making progress), so the
-# lanes overlap well even on 2 cores. Every stage runs even when an earlier one failed; every lab is
-# always torn down. A lane's log is .cache/<lane>.log, printed when the lanes are done.
+#     modules the other lanes run, then the collection (ansible-test sanity on the generated
+#     hsx.recovery; its tarball installed and run by FQCN);
+#   lane 2 (lab $HSX_MOLECULE_LAB_ID, 9): molecule, then the 3-host patch rollout (the longest lab test);
+#   lane 3 (lab $HSX_FLEET_LAB_ID, 7): the fleet (#39: 3 hosts, one powered off, taken over by the
+#     self-healing loop), self-healing (#40: Prometheus, Alertmanager and ansible-rulebook on the control
+#     node), provisioning and the incident (the last two as an unprivileged control-node account).
+# The machine is shared by all three: torch runs one thread per process here (OMP_NUM_THREADS=1, as
+# the lab's jobs do: inventory/lab/group_vars/all/main.yml), since an OpenMP team of several threads
+# on cores others hold waits at every barrier (tests/bench/bench_lab_threads.py: 3 extractions at
+# once took 4.7x the wall time and 5.4x the CPU with torch's default threads on 2 cores).
+# Every stage runs even when an earlier one failed; every lab is always torn down. A lane's log is
+# .cache/<lane>.log, printed when the lanes are done; the pytest lane's time per test module is
+# printed from its JUnit file (.cache/pytest-lane.xml).
 set -u
 cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1
 pick_lab() {  # a lab digit no other lane of this run uses
     local want=$1; shift
     for d in "$want" 8 6 5 4 3 2 1; do
@@ -54,14 +58,12 @@ pytest_stage() {  # one test module, its slowest steps listed
 stage "setup: wheelhouse" .venv/bin/hsx wheelhouse .cache/wheelhouse  # the lab's (inventory/lab)
 
 mkdir -p .cache
-echo "=== lane 2 on lab $molecule_lab: molecule, ${lane2_tests[*]}, the collection (log: .cache/lane2.log)"
+echo "=== lane 2 on lab $molecule_lab: molecule, ${lane2_tests[*]} (log: .cache/lane2.log)"
 (
     export HSX_LAB_ID=$molecule_lab
     status=0
     stage molecule tests/molecule/run.sh
     for t in "${lane2_tests[@]}"; do pytest_stage "$t"; done
-    stage "collection: ansible-test sanity" tools/collection/sanity.sh
-    pytest_stage "$collection_tests"
     exit $status
 ) >.cache/lane2.log 2>&1 &
 lane_pids+=($!)
@@ -79,7 +81,10 @@ stage "lint: ansible-lint (production profile)" .venv/bin/ansible-lint --profile
 ignores=()
 for t in "${lane2_tests[@]}" "$collection_tests" "${lane3_tests[@]}"; do ignores+=(--ignore="$t"); done
 stage "pytest: unit + integration" .venv/bin/pytest tests/unit tests/integration -q -p no:cacheprovider \
-    --durations=12 "${ignores[@]}"
+    --durations=12 --junitxml=.cache/pytest-lane.xml "${ignores[@]}"
+.venv/bin/python tests/junit_modules.py .cache/pytest-lane.xml
+stage "collection: ansible-test sanity" tools/collection/sanity.sh
+pytest_stage "$collection_tests"
 
 for lane in 2 3; do
     pid=${lane_pids[$((lane - 2))]}
