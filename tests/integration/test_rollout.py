@@ -47,7 +47,9 @@ def revision(version: str, tmp: Path) -> str:
 
 def rollout(reports: Path, *extra: str, play=playbook):
     run = play("playbooks/rollout_patch.yml", "-e", LAB_VARS, "-e", f"hsx_report_dir={reports}", *extra)
-    report_dir = sorted(p for p in reports.iterdir() if p.name.endswith("-rollout"))[-1]
+    written = sorted(p for p in reports.iterdir() if p.name.endswith("-rollout")) if reports.is_dir() else []
+    assert written, f"no rollout report in {reports} (rc {run.rc}):\n{run.output[-4000:]}"
+    report_dir = written[-1]
     hosts = {h: json.loads((report_dir / f"{h}.json").read_text()) for h in HOSTS}
     return run, hosts, (report_dir / "summary.md").read_text()
 

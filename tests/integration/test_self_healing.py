@@ -53,7 +53,10 @@ def stack(tmp_path_factory):
     running = None
     try:
         inventory = [str(REPO / "inventory" / "lab"), str(d / "lab-vars.yml")]
-        (d / "lab-vars.yml").write_text(json.dumps({"lab": {"vars": {"hsx_lab_dataset_size": DATASET}}}))
+        # Host vars of a second inventory source: group vars there would lose to the lab's group_vars/all
+        # (they did: the jobs ran the lab's 256 samples, not DATASET).
+        (d / "lab-vars.yml").write_text(json.dumps({"all": {"hosts": {h: {"hsx_lab_dataset_size": DATASET}
+                                                                      for h in (HEALED, BROKEN)}}}))
         inv = [a for i in inventory for a in ("-i", i)]
         for play in ("tests/plays/plant_model.yml", "tests/plays/deploy_monitored.yml"):
             done = playbook(play, *inv, "-e", "extraction_job_restart_sec=2")
