@@ -1,4 +1,5 @@
-"""Self-healing end to end in the lab (issue #40, scenarios 1 and 3), with no test action between the
+"""Self-healing end to end in the lab (issue #40, scenarios 1 and 3; scenario 2, a node that stays down
+and whose work the loop takes over, is test_fleet.py's, on its 3-host fleet), with no test action between the
 incident and the checks: the test injects the incidents, then only waits and observes while the real
 Prometheus, Alertmanager and ansible-rulebook on the control node (tests/integration/selfheal_stack.py,
 the lab's shortened timings) drive recover.yml.
