@@ -210,11 +210,21 @@ def tiny_conversations(n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def write_tiny_dataset(path: str | os.PathLike, n: int, seed: int = 0) -> Path:
-    """Write tiny_conversations(n, seed) as JSONL."""
+    """Write tiny_conversations(n, seed) as JSONL, whole or not at all: through a temp file beside it
+    and a rename, so a reader that finds the file (another make test lane) never reads half of it."""
     out = Path(path)
     if out.parent:
         out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        for row in tiny_conversations(n, seed):
-            f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=out.parent, prefix=f".{out.name}.",
+                                     delete=False) as f:
+        try:
+            for row in tiny_conversations(n, seed):
+                f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+        except BaseException:
+            os.unlink(f.name)
+            raise
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(f.name, 0o666 & ~umask)  # as open() would have made it (the temp file is 0600)
+    os.replace(f.name, out)
     return out
