@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sysconfig
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,10 +151,17 @@ def operator_account() -> Iterator[Operator]:
         operator.give(home)
         yield operator
     finally:
-        # Only the tests ran anything as the fresh account: what is left (an ssh master) is ours to end.
-        left = subprocess.run(["ps", "-o", "pid=", "-u", str(account.pw_uid)], capture_output=True, text=True)
-        for pid in left.stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGTERM)
+        # Only the tests ran anything as the fresh account: what is left (an ssh master) is ours to end,
+        # and userdel refuses while any of it still runs ("currently used by process N": a SIGTERMed
+        # ssh master had not exited yet, test_rollout 2026-12-07): wait for it, then SIGKILL.
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            left = subprocess.run(["ps", "-o", "pid=", "-u", str(account.pw_uid)], capture_output=True, text=True)
+            for pid in left.stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), sig)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and subprocess.run(
+                    ["ps", "-o", "pid=", "-u", str(account.pw_uid)], capture_output=True, text=True).stdout.strip():
+                time.sleep(0.2)
         gone = subprocess.run(["userdel", "--remove", OPERATOR], capture_output=True, text=True)
         assert gone.returncode == 0, f"userdel {OPERATOR}: {gone.stderr}"
