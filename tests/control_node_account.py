@@ -154,14 +154,16 @@ def operator_account() -> Iterator[Operator]:
         # Only the tests ran anything as the fresh account: what is left (an ssh master) is ours to end,
         # and userdel refuses while any of it still runs ("currently used by process N": a SIGTERMed
         # ssh master had not exited yet, test_rollout 2026-12-07): wait for it, then SIGKILL.
+        def left() -> list[str]:
+            ps = subprocess.run(["ps", "-o", "pid=", "-u", str(account.pw_uid)], capture_output=True, text=True)
+            return ps.stdout.split()
+
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            left = subprocess.run(["ps", "-o", "pid=", "-u", str(account.pw_uid)], capture_output=True, text=True)
-            for pid in left.stdout.split():
+            for pid in left():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), sig)
             deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and subprocess.run(
-                    ["ps", "-o", "pid=", "-u", str(account.pw_uid)], capture_output=True, text=True).stdout.strip():
+            while left() and time.monotonic() < deadline:
                 time.sleep(0.2)
         gone = subprocess.run(["userdel", "--remove", OPERATOR], capture_output=True, text=True)
         assert gone.returncode == 0, f"userdel {OPERATOR}: {gone.stderr}"

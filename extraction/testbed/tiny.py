@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hsx.fsutil import atomic_write_bytes
+
 # Special tokens; ids 0.. in this order (the config's bos/eos/pad ids rely on it).
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 BOS, EOS, PAD = SPECIAL_TOKENS[0], SPECIAL_TOKENS[1], SPECIAL_TOKENS[2]
@@ -210,21 +212,12 @@ def tiny_conversations(n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def write_tiny_dataset(path: str | os.PathLike, n: int, seed: int = 0) -> Path:
-    """Write tiny_conversations(n, seed) as JSONL, whole or not at all: through a temp file beside it
-    and a rename, so a reader that finds the file (another make test lane) never reads half of it."""
+    """Write tiny_conversations(n, seed) as JSONL, whole or not at all (fsutil.atomic_write_bytes: a
+    temp file beside it and a rename), so a reader that finds the file (another make test lane) never
+    reads half of it."""
     out = Path(path)
     if out.parent:
         out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=out.parent, prefix=f".{out.name}.",
-                                     delete=False) as f:
-        try:
-            for row in tiny_conversations(n, seed):
-                f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
-        except BaseException:
-            os.unlink(f.name)
-            raise
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(f.name, 0o666 & ~umask)  # as open() would have made it (the temp file is 0600)
-    os.replace(f.name, out)
+    rows = (json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in tiny_conversations(n, seed))
+    atomic_write_bytes(str(out), "".join(rows).encode("utf-8"), durable=False)
     return out
