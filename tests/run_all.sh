@@ -42,15 +42,41 @@ cleanup() {
     for lab in "${HSX_LAB_ID:-}" "$molecule_lab" "$fleet_lab"; do
         HSX_LAB_ID=$lab .venv/bin/python tests/lab/lab.py down >/dev/null 2>&1 || true
     done
+    for group in "$cgroup_base"/hsx-test-stage-$$-*; do  # what outlived its stage goes to the parent
+        [ -d "$group" ] || continue
+        while read -r pid; do echo "$pid" >"$cgroup_base/cgroup.procs"; done <"$group/cgroup.procs" 2>/dev/null
+        rmdir "$group" 2>/dev/null
+    done
 }
 trap cleanup EXIT
+busy_cpu() { awk '$1 == "cpu" { printf "%.0f", ($2 + $3 + $4 + $7 + $8) / 100 }' /proc/stat; }  # user nice system irq softirq
+busy0=$(busy_cpu)
 status=0
-# Each stage says how long it took (the run's time budget is watched: docs/benchmarks.md).
+# Each stage says how long it took and, where cgroup v2's cpu.stat is at hand (root), the CPU it used:
+# its own processes' (a cgroup of its own: ssh masters and servers that outlive it stay counted) and
+# its lab hosts' (tests/lab/lab.py writes each host's to $HSX_LAB_STATE/hsxlab<ID>.cpu as it goes).
+# The machine is CPU-bound while three lanes run, so a stage's CPU, not its wall time, is its cost
+# (the run's time budget is watched: docs/benchmarks.md).
+cgroup_base=/sys/fs/cgroup
+[ -f $cgroup_base/cgroup.controllers ] || cgroup_base=/sys/fs/cgroup/unified
+cpu_of() { awk '$1 == "usage_usec" { printf "%.0f", $2 / 1e6 }' "$1/cpu.stat" 2>/dev/null; }
+lab_cpu_log() { echo "${HSX_LAB_STATE:-/var/lib/hsx-lab}/hsxlab${HSX_LAB_ID:-}.cpu"; }
 stage() {
-    local name=$1 t0=$SECONDS; shift
+    local name=$1 t0=$SECONDS group lab_log lab_lines cpu=""; shift
     echo "=== $name"
-    "$@" || { echo "=== FAILED: $*"; status=1; }
-    echo "=== $name: $((SECONDS - t0)) s"
+    group="$cgroup_base/hsx-test-stage-$$-$BASHPID-$t0-$RANDOM"
+    lab_log=$(lab_cpu_log)
+    lab_lines=$(cat "$lab_log" 2>/dev/null | wc -l)
+    if mkdir "$group" 2>/dev/null && [ -f "$group/cpu.stat" ]; then
+        (echo "$BASHPID" >"$group/cgroup.procs" && exec "$@") || { echo "=== FAILED: $*"; status=1; }
+        cpu=" (CPU: $(cpu_of "$group") s its own, $(tail -n +$((lab_lines + 1)) "$lab_log" 2>/dev/null |
+            awk '{ s += $2 } END { printf "%.0f", s }') s its lab hosts')"
+        rmdir "$group" 2>/dev/null  # else at exit (cleanup)
+    else
+        rmdir "$group" 2>/dev/null
+        "$@" || { echo "=== FAILED: $*"; status=1; }
+    fi
+    echo "=== $name: $((SECONDS - t0)) s$cpu"
 }
 pytest_stage() {  # one test module, its slowest steps listed
     stage "$1" .venv/bin/pytest "$1" -q -p no:cacheprovider --durations=5
@@ -97,5 +123,5 @@ for lane in 2 3; do
     [ "$rc" -eq 0 ] || { echo "=== FAILED: lane $lane (.cache/lane$lane.log)"; status=1; }
 done
 lane_pids=()
-echo "=== run_all.sh: $SECONDS s"
+echo "=== run_all.sh: $SECONDS s (the machine's CPU: $(($(busy_cpu) - busy0)) s busy of $((SECONDS * $(nproc))))"
 exit $status

@@ -50,6 +50,9 @@ SUBNET = f"10.{213 + int(LAB_ID or 0)}"
 SUITE = "bookworm"
 CACHE = Path(os.environ.get("HSX_LAB_CACHE", "/var/cache/hsx-lab"))
 STATE = Path(os.environ.get("HSX_LAB_STATE", "/var/lib/hsx-lab"))
+# The CPU seconds each host used, a line "NAME SECONDS" appended when its cgroup goes (down, poweroff):
+# tests/run_all.sh sums the lines a stage added, since a host's CPU is in no process the stage waits for.
+CPU_LOG = STATE / f"{PREFIX}.cpu"
 REPO = Path(__file__).resolve().parents[2]
 # Packages inside every host. python3-venv: extraction_deploy builds a venv on the host;
 # prometheus-node-exporter: the distribution's node_exporter, running, its textfile collector
@@ -192,9 +195,20 @@ def cgroup_pids(group: Path) -> list[int]:
     return pids
 
 
+def record_cpu(group: Path) -> None:
+    """Append the CPU the group used, it and its descendants (cgroup v2's cpu.stat), to CPU_LOG."""
+    try:
+        stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
+        with CPU_LOG.open("a") as log_file:
+            log_file.write(f"{group.name} {int(stat['usage_usec']) / 1e6:.1f}\n")
+    except (OSError, KeyError, ValueError):  # no cpu.stat: the name=systemd hierarchy, cgroup v1
+        pass
+
+
 def remove_cgroup(group: Path) -> None:
     if not group.exists():
         return
+    record_cpu(group)
     deadline = time.monotonic() + 15
     while True:
         kill_file = group / "cgroup.kill"
