@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 from labctl import REPO, wait_for
-from test_monitoring import Prometheus, free_port
+from test_monitoring import SCRAPE_PARAMS, Prometheus, free_port
 
 BIN = Path(sys.executable).parent
 FILES = REPO / "roles" / "monitoring" / "files"
@@ -94,7 +94,7 @@ def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Pa
         "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
         "rule_files": [str(d / "hsx-selfheal.rules.yml")],
         "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
-        "scrape_configs": [{"job_name": "node", "static_configs": [
+        "scrape_configs": [{"job_name": "node", "params": SCRAPE_PARAMS, "static_configs": [
             {"targets": [f"{address}:9100"], "labels": {"hsx_host": name}} for name, address in targets.items()]}],
     }))
     (d / "selfheal.yml").write_text(edited(RULEBOOK.read_text(), RULEBOOK_EDITS, "selfheal.yml"))
