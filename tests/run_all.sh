@@ -124,5 +124,5 @@ for lane in 2 3; do
     [ "$rc" -eq 0 ] || { echo "=== FAILED: lane $lane (.cache/lane$lane.log)"; status=1; }
 done
 lane_pids=()
-echo "=== run_all.sh: $SECONDS s (the machine's CPU: $(($(busy_cpu) - busy0)) s busy of $((SECONDS * $(nproc))))"
+echo "=== run_all.sh: $SECONDS s (the machine's CPU: $(($(busy_cpu) - busy0)) s busy of $((SECONDS * $(getconf _NPROCESSORS_ONLN))))"
 exit $status
