@@ -8,8 +8,8 @@ account's checkout (PYTHONPATH; an editable install of that checkout does the sa
 playbooks run on the control node - the wheelhouse build, the reports, ansible's own files - runs as
 that account. `Operator.playbook` runs one playbook that way; `Operator.owned_by_root` lists what,
 under the account's home (the checkout copy included), root owns after.
-Used by test_incident.py (recover.yml), test_provision.py (provision.yml) and test_rollout.py
-(rollout_patch.yml), each a real run, not a --check.
+Used by test_incident.py (recover.yml) and test_rollout.py (provision.yml, rollout_patch.yml), each
+a real run, not a --check.
 """
 
 from __future__ import annotations

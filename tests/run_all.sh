@@ -5,10 +5,12 @@
 #   pytest (this shell, the default lab): lint, then tests/unit and tests/integration but for the
 #     modules the other lanes run, then the collection (ansible-test sanity on the generated
 #     hsx.recovery; its tarball installed and run by FQCN);
-#   lane 2 (lab $HSX_MOLECULE_LAB_ID, 9): molecule, then the 3-host patch rollout (the longest lab test);
+#   lane 2 (lab $HSX_MOLECULE_LAB_ID, 9): molecule, then the 3 hosts provisioned (as an unprivileged
+#     control-node account) and patched by the rollout (the longest lab test);
 #   lane 3 (lab $HSX_FLEET_LAB_ID, 7): the fleet (#39: 3 hosts, one powered off, taken over by the
 #     self-healing loop), self-healing (#40: Prometheus, Alertmanager and ansible-rulebook on the control
-#     node), provisioning and the incident (these two as an unprivileged control-node account).
+#     node), the incident (recover.yml as an unprivileged control-node account, hsx recover), then two
+#     of the molecule scenarios.
 # The machine is shared by all three: torch runs one thread per process here (OMP_NUM_THREADS=1, as
 # the lab's jobs do: inventory/lab/group_vars/all/main.yml), since an OpenMP team of several threads
 # on cores others hold waits at every barrier (tests/bench/bench_lab_threads.py: 3 extractions at
@@ -31,10 +33,16 @@ rollout_tests=tests/integration/test_rollout.py
 collection_tests=tests/integration/test_collection.py
 lane2_tests=("$rollout_tests")
 # The lanes' CPU, not their wall time, is balanced: the machine is CPU-bound while they run (each
-# stage prints its CPU). Monitoring stays in the pytest lane since the incident took in hsx recover's
-# and recover --check's tests (5 hosts, one lab, one planting).
-lane3_tests=(tests/integration/test_fleet.py tests/integration/test_self_healing.py tests/integration/test_provision.py
-             tests/integration/test_incident.py)
+# stage prints its CPU; at 5ffbf70: pytest lane ~1,400 s with monitoring, lane 2 ~1,950 with the
+# provisioning, lane 3 ~1,450 with the bigger incident). Two molecule scenarios run at lane 3's end,
+# long after lane 2's molecule ended (each scenario has its own ephemeral directory anyway).
+lane3_tests=(tests/integration/test_fleet.py tests/integration/test_self_healing.py tests/integration/test_incident.py)
+lane3_scenarios=(sglang_server shard_verify)
+lane2_scenarios=()
+for f in tests/molecule/*/molecule.yml; do
+    scenario=$(basename "$(dirname "$f")")
+    case " ${lane3_scenarios[*]} " in *" $scenario "*) ;; *) lane2_scenarios+=("$scenario") ;; esac
+done
 lane_pids=()
 cleanup() {
     for pid in "${lane_pids[@]}"; do
@@ -87,20 +95,21 @@ pytest_stage() {  # one test module, its slowest steps listed
 stage "setup: wheelhouse" .venv/bin/hsx wheelhouse .cache/wheelhouse  # the lab's (inventory/lab)
 
 mkdir -p .cache
-echo "=== lane 2 on lab $molecule_lab: molecule, ${lane2_tests[*]} (log: .cache/lane2.log)"
+echo "=== lane 2 on lab $molecule_lab: molecule ${lane2_scenarios[*]}, ${lane2_tests[*]} (log: .cache/lane2.log)"
 (
     export HSX_LAB_ID=$molecule_lab
     status=0
-    stage molecule tests/molecule/run.sh
+    stage molecule tests/molecule/run.sh "${lane2_scenarios[@]}"
     for t in "${lane2_tests[@]}"; do pytest_stage "$t"; done
     exit $status
 ) >.cache/lane2.log 2>&1 &
 lane_pids+=($!)
-echo "=== lane 3 on lab $fleet_lab: ${lane3_tests[*]} (log: .cache/lane3.log)"
+echo "=== lane 3 on lab $fleet_lab: ${lane3_tests[*]}, molecule ${lane3_scenarios[*]} (log: .cache/lane3.log)"
 (
     export HSX_LAB_ID=$fleet_lab
     status=0
     for t in "${lane3_tests[@]}"; do pytest_stage "$t"; done
+    stage molecule tests/molecule/run.sh "${lane3_scenarios[@]}"
     exit $status
 ) >.cache/lane3.log 2>&1 &
 lane_pids+=($!)

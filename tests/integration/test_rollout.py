@@ -1,13 +1,19 @@
-"""playbooks/rollout_patch.yml on 3 real lab hosts running the sglang backend.
+"""playbooks/provision.yml, then playbooks/rollout_patch.yml, on 3 real lab hosts running the sglang backend.
 
-One lab for the module: 3 hosts get a real SGLang release (its files, no dependencies), the model
-and dataset, and are provisioned by playbooks/provision.yml with the server and job started (the
-server is the TEST-ONLY stand-in, which runs the patch and hook of the installed SGLang, so a patch
-that breaks the model breaks the server). Then, in order: --check (the plan, nothing changes); a
-normal rollout v2 -> v3; a v4 whose canary fails (no other host touched); a v4 that fails on the
-second batch's host (reverted to v3; the canary keeps v4; the rest untouched). The normal rollout is
-run by an unprivileged control-node account (issue #39: sudo on the targets only, nothing of that
-account's left owned by root; the account and its runs are tests/control_node_account.py's).
+One lab for the module: 3 bare hosts get what a real node has before we touch it - a real SGLang
+release (its files, no dependencies), the model and the dataset (tests/plays/plant_sglang.yml).
+
+Provisioning, an operator's (issue #39 item 5: an unprivileged control-node
+account with sudo on the targets only, building the wheelhouse from its own checkout,
+tests/control_node_account.py) must leave the extraction venv, the patched SGLang, and the server and
+job units installed but not started; a second run changes nothing; nothing under the account's home
+is root's after either.
+
+Then root provisions them again with the server and job started (the server is the TEST-ONLY stand-in,
+which runs the patch and hook of the installed SGLang, so a patch that breaks the model breaks the
+server), and the rollout, in order: --check (the plan, nothing changes); a normal rollout v2 -> v3 (the
+operator's, as above); a v4 whose canary fails (no other host touched); a v4 that fails on the second
+batch's host (reverted to v3; the canary keeps v4; the rest untouched).
 
 New versions are revisions of the project's patch (module_utils/hsx/sglang_patch.py, imported) whose
 init block fails on hosts holding /etc/hsx-test/fail-v<N> - a deliberately broken version there.
@@ -30,6 +36,7 @@ HOSTS = [lab_host(i) for i in range(1, 4)]  # the default serial [1, "25%", "100
 LAB_VARS = "@tests/plays/files/sglang_lab.yml"
 PATCHED = "/opt/sglang/venv/lib/python3.11/site-packages/sglang/srt/models/deepseek_v2.py"
 HSX = "/opt/hsx/venv/bin/hsx"
+UNITS = "hsx-sglang-server.service hsx-extraction.service"
 
 
 def revision(version: str, tmp: Path) -> str:
@@ -70,18 +77,85 @@ def state(host: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def operator():
+    with operator_account() as account:
+        yield account
+
+
+@pytest.fixture(scope="module")
+def planted():
     lab("up", str(len(HOSTS)), "--data-size", "4G")  # sparse: ~1.6 GB if a job ever finished
     try:
         planted = playbook("tests/plays/plant_sglang.yml", "-e", LAB_VARS)
         assert planted.rc == 0, planted.output[-3000:]
-        provisioned = playbook("playbooks/provision.yml", "-e", LAB_VARS, "-e", "hsx_start=true")
-        assert provisioned.rc == 0, provisioned.output[-3000:]
-        yield tmp_path_factory.mktemp("rollout")
+        yield
     finally:
         for h in HOSTS:  # the jobs' graceful stop would make `lab down` wait for their in-flight samples
             lab_ssh(h, "systemctl kill --signal=SIGKILL hsx-extraction hsx-sglang-server")
         lab("down", check=False)
+
+
+@pytest.fixture(scope="module")
+def provisioned(planted, operator):
+    return operator.playbook("playbooks/provision.yml", "-e", LAB_VARS)
+
+
+@pytest.fixture(scope="module")
+def fleet(provisioned, tmp_path_factory):
+    started = playbook("playbooks/provision.yml", "-e", LAB_VARS, "-e", "hsx_start=true")
+    assert started.rc == 0, started.output[-3000:]
+    return tmp_path_factory.mktemp("rollout")
+
+
+def changed_tasks(output: str) -> list[str]:
+    """'TASK name: host' for every task that reported changed."""
+    found, task = [], "?"
+    for line in output.splitlines():
+        if line.startswith("TASK ["):
+            task = line[6:line.rfind("]")]
+        elif line.startswith("changed: ["):
+            found.append(f"{task}: {line[10:line.index(']')]}")
+    return found
+
+
+def test_provision_installs_everything_and_starts_nothing(provisioned, operator):
+    first = provisioned
+    assert first.rc == 0, first.output[-4000:]
+    manifest = json.loads((operator.checkout / ".cache" / "wheelhouse" / "wheelhouse.json").read_text())
+    assert "source_digest" in manifest, "the account's build stage did not build its wheelhouse"
+    for host in HOSTS:
+        assert first.recap()[host]["failed"] == 0
+        helped = lab_ssh(host, "/opt/hsx/venv/bin/hsx --help")
+        assert helped.returncode == 0 and "extract" in helped.stdout, helped.stderr[-500:]
+        for path in ("/opt/hsx/venv/bin/python", "/opt/hsx/wheelhouse/wheelhouse.json", "/etc/hsx/extract.yaml",
+                     "/run/hsx-dumps", f"{PATCHED}", "/opt/sglang/venv/lib/python3.11/site-packages/sglang/hsx_dump_hook.py"):
+            assert lab_ssh(host, f"test -e {path}").returncode == 0, f"{host}: {path} missing"
+        config = lab_ssh(host, "cat /etc/hsx/extract.yaml").stdout
+        assert "backend: sglang" in config and "server_url: http://127.0.0.1:30000" in config, config
+        # Dumps in RAM (#29 item 2): the tmpfs directory, the hsx account's, in the job's config.
+        assert "dump_dir: /run/hsx-dumps" in config, config
+        assert lab_ssh(host, "stat -c '%U %a %F' /run/hsx-dumps").stdout.strip() == "hsx 750 directory"
+        assert lab_ssh(host, f"grep -c '# >>> hsx-patch hsx-sglang-dump block=.* v=2 ' {PATCHED}").stdout.strip() == "2"
+        loaded = lab_ssh(host, f"systemctl show -p LoadState --value {UNITS}").stdout.split()
+        active = lab_ssh(host, f"systemctl is-active {UNITS}").stdout.split()
+        enabled = lab_ssh(host, f"systemctl is-enabled {UNITS}").stdout.split()
+        assert loaded == ["loaded", "loaded"] and active == ["inactive", "inactive"], (host, loaded, active)
+        assert enabled == ["disabled", "disabled"], (host, enabled)
+    summary = next(operator.reports.glob("*-provision/summary.md")).read_text()
+    assert "# Provisioning report" in summary and f"{len(HOSTS)} of {len(HOSTS)} hosts ok." in summary, summary
+    assert "dumps in RAM at /run/hsx-dumps: " in summary, summary  # the storage line says where, with numbers
+
+
+def test_second_provision_changes_nothing(provisioned, operator):
+    owned = operator.owned_by_root()  # after the first run: the second must not hide what it left
+    assert not owned, owned[:20]
+    second = operator.playbook("playbooks/provision.yml", "-e", LAB_VARS)
+    recap = second.recap()
+    assert second.rc == 0, second.output[-4000:]
+    for host in HOSTS:
+        assert recap[host]["changed"] == 0 and recap[host]["failed"] == 0, changed_tasks(second.output)
+    owned = operator.owned_by_root()
+    assert not owned, owned[:20]
 
 
 def test_check_shows_the_plan_and_changes_nothing(fleet):
@@ -107,15 +181,15 @@ def test_a_real_run_needs_the_confirmation(fleet):
     assert all(state(h)["file"] == "2" for h in HOSTS[:1])
 
 
-def test_normal_rollout_updates_every_host_and_resumes_the_jobs(fleet):
+def test_normal_rollout_updates_every_host_and_resumes_the_jobs(fleet, operator):
     before = {h: state(h) for h in HOSTS}
     assert all(b["state"] == "running" for b in before.values()), before
-    with operator_account() as operator:  # what it reads (the revision) and writes (reports) is in its home
-        patch = revision("3", operator.home)
-        operator.give(operator.home / patch[1:])
-        run, hosts, summary = rollout(operator.reports, "-e", patch, "-e", "rollout_patch_confirm=yes",
-                                      "-e", '{"rollout_patch_serial": [1, "100%"]}', play=operator.playbook)
-        owned = operator.owned_by_root()
+    # What the operator reads (the revision) and writes (reports) is in its home.
+    patch = revision("3", operator.home)
+    operator.give(operator.home / patch[1:])
+    run, hosts, summary = rollout(operator.reports, "-e", patch, "-e", "rollout_patch_confirm=yes",
+                                  "-e", '{"rollout_patch_serial": [1, "100%"]}', play=operator.playbook)
+    owned = operator.owned_by_root()
     assert run.rc == 0, run.output[-4000:]
     assert not owned, owned[:20]
     assert f"Batch 2 (2 hosts): {HOSTS[1]} v2 -> v3" in run.output
