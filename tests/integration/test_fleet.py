@@ -25,7 +25,7 @@ from datetime import datetime
 
 import pytest
 import selfheal_stack as sh
-from labctl import BIN, REPO, _lab_module, host, lab, lab_ssh, playbook, wait_for
+from labctl import BIN, KEEPALIVE_SSH_ARGS, REPO, _lab_module, host, lab, lab_ssh, playbook, wait_for
 
 from extraction.inputs.dataset import scan_dataset
 from hsx.buckets import bucket_of, parse_assign
@@ -35,12 +35,11 @@ SIZE, BUCKETS = 192, 64
 HOSTS = [host(i) for i in (1, 2, 3)]
 DEAD = HOSTS[2]
 OUTPUT = "/data/hsx/output"
-SSH_ARGS = "-o ControlMaster=auto -o ControlPersist=60s -o ServerAliveInterval=2 -o ServerAliveCountMax=3"
 DOWN_FOR_S = 40  # the lab's node-down window before the takeover (production 10 minutes)
 
 
 def hsx(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_SSH_ARGS=SSH_ARGS)
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_SSH_ARGS=KEEPALIVE_SSH_ARGS)
     return subprocess.run([str(BIN / "hsx"), *args], cwd=REPO, capture_output=True, text=True, env=env,
                           timeout=timeout)
 

@@ -27,7 +27,7 @@ import time
 import pytest
 import torch
 from control_node_account import operator_account
-from labctl import BIN, REPO, lab, lab_fetch, lab_ssh, playbook
+from labctl import BIN, KEEPALIVE_SSH_ARGS, REPO, lab, lab_fetch, lab_ssh, playbook
 from labctl import host as lab_host
 
 from hsx.index import load_index
@@ -36,8 +36,6 @@ GOOD = [lab_host(1), lab_host(2)]
 BROKEN = lab_host(3)
 VIA_HSX, CUT = lab_host(4), lab_host(5)
 ASSETS = REPO / ".cache" / "lab-assets"
-# A link that goes down mid-task must end the connection in seconds, not after TCP gives up.
-SSH_ARGS = "-o ControlMaster=auto -o ControlPersist=60s -o ServerAliveInterval=2 -o ServerAliveCountMax=3"
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +60,7 @@ def fleet(operator):
 
 def hsx(*args: str, on_line=None, timeout: int = 900) -> tuple[int, str]:
     """Run `hsx ...` (not a terminal: line-by-line progress); `on_line` sees each line as it comes."""
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_SSH_ARGS=SSH_ARGS)
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_SSH_ARGS=KEEPALIVE_SSH_ARGS)
     proc = subprocess.Popen([str(BIN / "hsx"), *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
@@ -174,7 +172,7 @@ def test_first_run_recovers_the_good_hosts_and_reports_the_broken_one(fleet, ope
 
 def test_check_mode_assesses_and_changes_nothing(fleet):
     """On VIA_HSX, before `hsx recover` (not on CUT: its cut link would hang an ssh master this run
-    left, made without the keepalive SSH_ARGS gives hsx recover)."""
+    left, made without the keepalives KEEPALIVE_SSH_ARGS gives hsx recover)."""
     run = playbook("recover.yml", "--check", "--diff", "--limit", VIA_HSX)
     assert run.rc == 0, run.output[-3000:]
     assert run.recap()[VIA_HSX]["failed"] == 0
