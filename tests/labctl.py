@@ -18,7 +18,7 @@ BIN = Path(sys.executable).parent
 # The lab's wheelhouse (inventory/lab/group_vars/all/main.yml: hsx_wheelhouse).
 WHEELHOUSE = REPO / ".cache" / "wheelhouse"
 # ANSIBLE_SSH_ARGS for runs whose hosts lose their link or power mid-task: the connection must end in
-# seconds, not after TCP gives up.
+# seconds, not in the minute ansible.cfg's production keepalives allow.
 KEEPALIVE_SSH_ARGS = "-o ControlMaster=auto -o ControlPersist=60s -o ServerAliveInterval=2 -o ServerAliveCountMax=3"
 
 

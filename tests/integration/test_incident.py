@@ -171,8 +171,8 @@ def test_first_run_recovers_the_good_hosts_and_reports_the_broken_one(fleet, ope
 
 
 def test_check_mode_assesses_and_changes_nothing(fleet):
-    """On VIA_HSX, before `hsx recover` (not on CUT: its cut link would hang an ssh master this run
-    left, made without the keepalives KEEPALIVE_SSH_ARGS gives hsx recover)."""
+    """On VIA_HSX, before `hsx recover` (not on CUT: the ssh master this run leaves would notice the cut
+    only after ansible.cfg's minute of keepalives, not the seconds KEEPALIVE_SSH_ARGS gives hsx recover)."""
     run = playbook("recover.yml", "--check", "--diff", "--limit", VIA_HSX)
     assert run.rc == 0, run.output[-3000:]
     assert run.recap()[VIA_HSX]["failed"] == 0
