@@ -6,12 +6,12 @@ release (its files, no dependencies), the model and the dataset (tests/plays/pla
 Provisioning, an operator's (issue #39 item 5: an unprivileged control-node
 account with sudo on the targets only, building the wheelhouse from its own checkout,
 tests/control_node_account.py) must leave the extraction venv, the patched SGLang, and the server and
-job units installed but not started; a second run changes nothing; nothing under the account's home
-is root's after either.
+job units installed but not started; a second run, with the server and job started (-e
+hsx_start=true), changes nothing but that: the units enabled and started (the server is the TEST-ONLY
+stand-in, which runs the patch and hook of the installed SGLang, so a patch that breaks the model breaks
+the server); nothing under the account's home is root's after either.
 
-Then root provisions them again with the server and job started (the server is the TEST-ONLY stand-in,
-which runs the patch and hook of the installed SGLang, so a patch that breaks the model breaks the
-server), and the rollout, in order: --check (the plan, nothing changes); a normal rollout v2 -> v3 (the
+Then the rollout, in order: --check (the plan, nothing changes); a normal rollout v2 -> v3 (the
 operator's, as above); a v4 whose canary fails (no other host touched); a v4 that fails on the second
 batch's host (reverted to v3; the canary keeps v4; the rest untouched).
 
@@ -101,10 +101,20 @@ def provisioned(planted, operator):
 
 
 @pytest.fixture(scope="module")
-def fleet(provisioned, tmp_path_factory):
-    started = playbook("playbooks/provision.yml", "-e", LAB_VARS, "-e", "hsx_start=true")
+def started(provisioned, operator):
+    """The second provisioning: the same, with the server and job started."""
+    return operator.playbook("playbooks/provision.yml", "-e", LAB_VARS, "-e", "hsx_start=true")
+
+
+@pytest.fixture(scope="module")
+def fleet(started, tmp_path_factory):
     assert started.rc == 0, started.output[-3000:]
     return tmp_path_factory.mktemp("rollout")
+
+
+# What a second provisioning may change when it is asked to start what the first installed.
+START_TASKS = {"sglang_server : Enable the server at boot", "sglang_server : Start the server if it is not running",
+               "extraction_job : Enable the job at boot", "extraction_job : Start (resume) the job"}
 
 
 def changed_tasks(output: str) -> list[str]:
@@ -121,6 +131,8 @@ def changed_tasks(output: str) -> list[str]:
 def test_provision_installs_everything_and_starts_nothing(provisioned, operator):
     first = provisioned
     assert first.rc == 0, first.output[-4000:]
+    owned = operator.owned_by_root()  # before the second run, which must not hide what this one left
+    assert not owned, owned[:20]
     manifest = json.loads((operator.checkout / ".cache" / "wheelhouse" / "wheelhouse.json").read_text())
     assert "source_digest" in manifest, "the account's build stage did not build its wheelhouse"
     for host in HOSTS:
@@ -146,14 +158,18 @@ def test_provision_installs_everything_and_starts_nothing(provisioned, operator)
     assert "dumps in RAM at /run/hsx-dumps: " in summary, summary  # the storage line says where, with numbers
 
 
-def test_second_provision_changes_nothing(provisioned, operator):
-    owned = operator.owned_by_root()  # after the first run: the second must not hide what it left
-    assert not owned, owned[:20]
-    second = operator.playbook("playbooks/provision.yml", "-e", LAB_VARS)
-    recap = second.recap()
-    assert second.rc == 0, second.output[-4000:]
+def test_second_provision_changes_only_what_hsx_start_asks(provisioned, started, operator):
+    """Idempotence with one run fewer than 'again, then start': every change the second run makes is one
+    of the units' enable and start, and each host gets all four."""
+    recap = started.recap()
+    assert started.rc == 0, started.output[-4000:]
+    changed = changed_tasks(started.output)
     for host in HOSTS:
-        assert recap[host]["changed"] == 0 and recap[host]["failed"] == 0, changed_tasks(second.output)
+        assert recap[host]["failed"] == 0, started.output[-3000:]
+        assert sorted(c.rsplit(": ", 1)[0] for c in changed if c.endswith(f": {host}")) == sorted(START_TASKS), changed
+        assert recap[host]["changed"] == len(START_TASKS), (host, recap[host], changed)
+        active = lab_ssh(host, f"systemctl is-active {UNITS}; systemctl is-enabled {UNITS}").stdout.split()
+        assert active == ["active"] * 2 + ["enabled"] * 2, (host, active)
     owned = operator.owned_by_root()
     assert not owned, owned[:20]
 
