@@ -69,7 +69,7 @@ status=0
 cgroup_base=/sys/fs/cgroup
 [ -f $cgroup_base/cgroup.controllers ] || cgroup_base=/sys/fs/cgroup/unified
 cpu_of() { awk '$1 == "usage_usec" { printf "%.0f", $2 / 1e6 }' "$1/cpu.stat" 2>/dev/null; }
-lab_cpu_log() { echo "${HSX_LAB_STATE:-/var/lib/hsx-lab}/hsxlab${HSX_LAB_ID:-}.cpu"; }
+lab_cpu_log() { .venv/bin/python tests/lab/lab.py cpu-log; }  # its lab's (HSX_LAB_ID), where lab.py writes it
 stage() {
     local name=$1 t0=$SECONDS group lab_log lab_lines cpu=""; shift
     echo "=== $name"

@@ -9,7 +9,7 @@ nothing else.
 
     lab.py up N [--data-size 512M] [--no-data NAME...] [--ro-data NAME...]
     lab.py down | status | inventory [--out FILE] | ensure | ssh NAME CMD...
-    lab.py poweroff NAME | boot NAME
+    lab.py poweroff NAME | boot NAME | cpu-log
 
 `poweroff` cuts a host's power: every process of the host is killed at once (no shutdown) and its
 network link goes down, so the control node sees what it sees of a dead node (no route, SSH times
@@ -20,17 +20,16 @@ cut, writes still in the page cache are not lost (the kernel is shared).
 Ansible reads the hosts through inventory/lab/lab_hosts.py (a dynamic inventory); a powered-off
 host stays in it, as a dead node stays in a site's inventory.
 
-Runs as root, stdlib only (it must work before any venv exists).
+The control node's side - the packages it needs, the lab key, the hosts' cached rootfs - is
+lab_control.py beside this file. Runs as root, stdlib only (it must work before any venv exists).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -40,6 +39,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+# Its sibling lab_control.py, also when this file is loaded by path (tests/labctl.py, inventory/lab).
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lab_control import CACHE, LabError, ensure_control_packages, ensure_rootfs, lab_key, log, run  # noqa: E402
+
 # HSX_LAB_ID (one digit) runs a separate lab beside the default one: its own names, subnet and
 # hosts, so two engineers (or a test run and a demo) never tear down each other's hosts.
 LAB_ID = os.environ.get("HSX_LAB_ID", "")
@@ -47,130 +51,12 @@ if LAB_ID and not (LAB_ID.isdigit() and len(LAB_ID) == 1):
     sys.exit(f"lab: HSX_LAB_ID must be one digit, not {LAB_ID!r}")
 PREFIX = f"hsxlab{LAB_ID}"
 SUBNET = f"10.{213 + int(LAB_ID or 0)}"
-SUITE = "bookworm"
-CACHE = Path(os.environ.get("HSX_LAB_CACHE", "/var/cache/hsx-lab"))
 STATE = Path(os.environ.get("HSX_LAB_STATE", "/var/lib/hsx-lab"))
 # The CPU seconds each host used, a line "NAME SECONDS" appended when its cgroup goes (down, poweroff):
 # tests/run_all.sh sums the lines a stage added, since a host's CPU is in no process the stage waits for.
 CPU_LOG = STATE / f"{PREFIX}.cpu"
 REPO = Path(__file__).resolve().parents[2]
-# Packages inside every host. python3-venv: extraction_deploy builds a venv on the host;
-# prometheus-node-exporter: the distribution's node_exporter, running, its textfile collector
-# reading /var/lib/prometheus/node-exporter (roles/monitoring, tests/integration/test_monitoring.py).
-ROOTFS_PACKAGES = [
-    "systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "openssh-server",
-    "iproute2", "sudo", "procps", "e2fsprogs", "prometheus-node-exporter",
-]
-# prometheus: promtool (the metrics and alert-rule tests) and the server the monitoring test runs.
-CONTROL_PACKAGES = {"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container",
-                    "ssh": "openssh-client", "ssh-keygen": "openssh-client",
-                    "mkfs.ext4": "e2fsprogs", "ip": "iproute2",
-                    "promtool": "prometheus", "prometheus": "prometheus",
-                    # The self-healing loop (tests/integration/test_self_healing.py): Alertmanager and
-                    # the Java runtime ansible-rulebook's rule engine (drools_jpy) needs.
-                    "prometheus-alertmanager": "prometheus-alertmanager", "amtool": "prometheus-alertmanager",
-                    "java": "openjdk-17-jre-headless"}
-# Installed without their recommends: prometheus would bring a node_exporter and its collectors'
-# timers to the control node, which runs only the test's own server.
-NO_RECOMMENDS = {"prometheus", "prometheus-alertmanager", "openjdk-17-jre-headless"}
-# Units that cannot work inside a container and would only make the host "degraded".
-MASKED_UNITS = ["console-getty.service", "getty@.service", "systemd-remount-fs.service",
-                "systemd-timesyncd.service", "apt-daily.timer", "apt-daily-upgrade.timer",
-                "e2scrub_all.timer", "e2scrub_reap.service", "fstrim.timer"]
 BOOT_TIMEOUT_S = 90
-
-
-class LabError(RuntimeError):
-    """A lab step failed; the message says which and why."""
-
-
-def log(msg: str) -> None:
-    print(f"lab: {msg}", file=sys.stderr, flush=True)
-
-
-def run(cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if check and proc.returncode != 0:
-        raise LabError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    return proc
-
-
-# ---------------------------------------------------------------- control node preparation
-def ensure_control_packages() -> None:
-    missing = sorted({pkg for tool, pkg in CONTROL_PACKAGES.items() if not shutil.which(tool)})
-    if not missing:
-        return
-    log(f"installing {' '.join(missing)} (apt)")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    run(["apt-get", "update", "-qq"], env=env, timeout=600)
-    plain = [p for p in missing if p not in NO_RECOMMENDS]
-    if plain:
-        run(["apt-get", "install", "-y", "-qq", *plain], env=env, timeout=900)
-    lean = [p for p in missing if p in NO_RECOMMENDS]
-    if lean:
-        run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *lean], env=env, timeout=900)
-
-
-def debian_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
-    """The Debian mirror this machine's apt already uses (never a hard-coded host)."""
-    override = os.environ.get("HSX_LAB_MIRROR")
-    if override:
-        return override
-    sources = [apt_dir / "sources.list", *sorted((apt_dir / "sources.list.d").glob("*"))]
-    for src in sources:
-        if not src.is_file():
-            continue
-        text = src.read_text(errors="replace")
-        for m in re.finditer(r"^URIs:\s*(\S+)\s*$\s*^Suites:\s*([^\n]+)$", text, re.M):
-            if SUITE in m.group(2).split() and "security" not in m.group(1):
-                return m.group(1)
-        for m in re.finditer(r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+(\S+)", text, re.M):
-            if m.group(2) == SUITE:
-                return m.group(1)
-    raise LabError(f"no Debian {SUITE} mirror found in {apt_dir} sources; set HSX_LAB_MIRROR")
-
-
-def lab_key() -> Path:
-    key = CACHE / "lab_key"
-    if not key.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "hsx-lab", "-f", str(key)])
-    return key
-
-
-def rootfs_dir() -> Path:
-    digest = hashlib.sha256(" ".join([SUITE, *ROOTFS_PACKAGES, *MASKED_UNITS]).encode()).hexdigest()[:12]
-    return CACHE / f"rootfs-{SUITE}-{digest}"
-
-
-def ensure_rootfs() -> Path:
-    """Build the host rootfs once per machine (cached outside the clone, keyed by its contents)."""
-    root = rootfs_dir()
-    if (root / ".complete").exists():
-        return root
-    ensure_control_packages()
-    tmp = root.with_name(root.name + ".building")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    mirror = debian_mirror()
-    log(f"building rootfs {root.name} with debootstrap (about a minute)")
-    t0 = time.monotonic()
-    run(["debootstrap", "--variant=minbase", f"--include={','.join(ROOTFS_PACKAGES)}",
-         SUITE, str(tmp), mirror], timeout=1200)
-    for unit in MASKED_UNITS:
-        link = tmp / "etc/systemd/system" / unit
-        link.unlink(missing_ok=True)
-        link.symlink_to("/dev/null")
-    (tmp / "etc/ssh/sshd_config.d").mkdir(parents=True, exist_ok=True)
-    (tmp / "etc/ssh/sshd_config.d/hsx-lab.conf").write_text(
-        "PermitRootLogin prohibit-password\nPasswordAuthentication no\nUseDNS no\n")
-    (tmp / "etc/machine-id").write_text("")
-    # Empty apt sources: lab hosts have no network; everything arrives from the control node.
-    (tmp / "etc/apt/sources.list").write_text("")
-    (tmp / ".complete").write_text(f"built in {time.monotonic() - t0:.0f}s\n")
-    tmp.rename(root)
-    log(f"rootfs ready in {time.monotonic() - t0:.0f}s")
-    return root
 
 
 # ---------------------------------------------------------------- cgroups
@@ -577,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     p_ssh.add_argument("command", nargs=argparse.REMAINDER)
     sub.add_parser("poweroff", help="cut a host's power (its disks stay)").add_argument("name")
     sub.add_parser("boot", help="start a powered-off host from its disks").add_argument("name")
+    sub.add_parser("cpu-log", help="print the file the hosts' CPU seconds are appended to as they go")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "up":
@@ -597,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             poweroff(args.name)
         elif args.cmd == "boot":
             boot(args.name)
+        elif args.cmd == "cpu-log":
+            print(CPU_LOG)
         elif args.cmd == "ssh":
             host = _named_host(args.name)
             return subprocess.call([*ssh_base(host), " ".join(args.command)])

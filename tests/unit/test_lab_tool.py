@@ -1,4 +1,4 @@
-"""Pure parts of the lab tool (no root needed): mirror discovery and naming."""
+"""Pure parts of the lab tool (no root needed): mirror discovery (tests/lab/lab_control.py) and naming."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ _spec = importlib.util.spec_from_file_location("lab", Path(__file__).resolve().p
 lab = importlib.util.module_from_spec(_spec)
 sys.modules["lab"] = lab  # dataclasses look their module up by name
 _spec.loader.exec_module(lab)
+control = sys.modules["lab_control"]  # lab.py's sibling, imported by it
 
 
 def test_mirror_from_deb822_sources(tmp_path, monkeypatch):
@@ -21,21 +22,21 @@ def test_mirror_from_deb822_sources(tmp_path, monkeypatch):
     (tmp_path / "sources.list.d" / "debian.sources").write_text(
         "Types: deb\nURIs: http://mirror.invalid/debian-security\nSuites: bookworm-security\n\n"
         "Types: deb\nURIs: http://mirror.invalid/debian\nSuites: bookworm bookworm-updates\nComponents: main\n")
-    assert lab.debian_mirror(tmp_path) == "http://mirror.invalid/debian"
+    assert control.debian_mirror(tmp_path) == "http://mirror.invalid/debian"
 
 
 def test_mirror_from_one_line_sources(tmp_path, monkeypatch):
     monkeypatch.delenv("HSX_LAB_MIRROR", raising=False)
     (tmp_path / "sources.list.d").mkdir()
     (tmp_path / "sources.list").write_text("deb [arch=amd64] http://mirror.invalid/deb bookworm main\n")
-    assert lab.debian_mirror(tmp_path) == "http://mirror.invalid/deb"
+    assert control.debian_mirror(tmp_path) == "http://mirror.invalid/deb"
 
 
 def test_no_mirror_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.delenv("HSX_LAB_MIRROR", raising=False)
     (tmp_path / "sources.list.d").mkdir()
-    with pytest.raises(lab.LabError, match="no Debian bookworm mirror"):
-        lab.debian_mirror(tmp_path)
+    with pytest.raises(control.LabError, match="no Debian bookworm mirror"):
+        control.debian_mirror(tmp_path)
 
 
 def test_inventory_lists_no_hosts_when_none_run(tmp_path, monkeypatch):
