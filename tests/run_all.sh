@@ -33,9 +33,9 @@ rollout_tests=tests/integration/test_rollout.py
 collection_tests=tests/integration/test_collection.py
 lane2_tests=("$rollout_tests")
 # The lanes' CPU, not their wall time, is balanced: the machine is CPU-bound while they run (each
-# stage prints its CPU; at 5ffbf70: pytest lane ~1,400 s with monitoring, lane 2 ~1,950 with the
-# provisioning, lane 3 ~1,450 with the bigger incident). Two molecule scenarios run at lane 3's end,
-# long after lane 2's molecule ended (each scenario has its own ephemeral directory anyway).
+# stage prints its CPU, own + lab hosts'; at 35a903c: pytest lane ~760 s, lane 2 ~890 with the
+# provisioning and rollout, lane 3 ~945; they ended at 1,342 / 1,254 / 1,339 s). Two molecule scenarios
+# run at lane 3's end, long after lane 2's molecule ended (each scenario has its own ephemeral directory).
 lane3_tests=(tests/integration/test_fleet.py tests/integration/test_self_healing.py tests/integration/test_incident.py)
 lane3_scenarios=(sglang_server shard_verify)
 lane2_scenarios=()
