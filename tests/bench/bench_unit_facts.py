@@ -33,11 +33,12 @@ MODULES = {"service_facts": "ansible.builtin.service_facts", "service_unit_facts
 
 def host_cpu(name: str) -> float:
     """The host's CPU seconds so far: its cgroup's (lab.py puts each host in one)."""
-    for root in _lab_module().cgroup_roots():
-        stat = root / name / "cpu.stat"
-        if stat.exists():
-            return next(int(line.split()[1]) for line in stat.read_text().splitlines()
-                        if line.startswith("usage_usec")) / 1e6
+    mod = _lab_module()
+    for root in mod.cgroup_roots():
+        try:
+            return mod.cgroup_cpu_seconds(root / name)
+        except (OSError, KeyError, ValueError):  # the name=systemd hierarchy: no cpu.stat
+            continue
     raise SystemExit(f"no cpu.stat for {name} (cgroup v2 needed)")
 
 

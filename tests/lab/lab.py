@@ -81,12 +81,19 @@ def cgroup_pids(group: Path) -> list[int]:
     return pids
 
 
+def cgroup_cpu_seconds(group: Path) -> float:
+    """The CPU seconds the group used so far, it and its descendants (cgroup v2's cpu.stat); OSError,
+    KeyError or ValueError where there is no such file (the name=systemd hierarchy, cgroup v1)."""
+    stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
+    return int(stat["usage_usec"]) / 1e6
+
+
 def record_cpu(group: Path) -> None:
-    """Append the CPU the group used, it and its descendants (cgroup v2's cpu.stat), to CPU_LOG."""
+    """Append the CPU the group used (cgroup_cpu_seconds) to CPU_LOG."""
     try:
-        stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
+        seconds = cgroup_cpu_seconds(group)
         with CPU_LOG.open("a") as log_file:
-            log_file.write(f"{group.name} {int(stat['usage_usec']) / 1e6:.1f}\n")
+            log_file.write(f"{group.name} {seconds:.1f}\n")
     except (OSError, KeyError, ValueError):  # no cpu.stat: the name=systemd hierarchy, cgroup v1
         pass
 
