@@ -52,8 +52,8 @@ options:
     description:
       - Also read the run's buckets (issue 39) - the bucket count from C(run.json), the samples of each
         bucket from C(buckets.json) (written by the job), each bucket's done count from the index - and
-        return C(bucket_count), C(bucket_done), C(bucket_totals), C(assign), C(finished_buckets) and
-        C(buckets_error).
+        return C(bucket_count), C(bucket_done), C(bucket_totals), C(assign), C(finished_buckets),
+        C(dataset_hash) and C(buckets_error).
         Costs a hash of every indexed id.
     type: bool
     default: false
@@ -174,6 +174,12 @@ assign:
   returned: when I(buckets)
 finished_buckets:
   description: Buckets whose samples are all in the index (a range list; '' when none or the totals are unknown).
+  type: str
+  returned: when I(buckets)
+dataset_hash:
+  description:
+    - The hash of the dataset file the run read (run.json's C(dataset_hash)), or null. C(hsx fleet-status) compares
+      it between hosts (their copies of the dataset must be one).
   type: str
   returned: when I(buckets)
 buckets_error:
@@ -300,13 +306,16 @@ class ExtractionStatus:
         read the index, which buckets are started or finished is unknown: bucket_count is None and
         buckets_error says why (a rebalance or takeover counts the host as not answered)."""
         out: dict[str, Any] = {"bucket_count": None, "bucket_done": {}, "bucket_totals": None, "assign": None,
-                               "finished_buckets": "", "buckets_error": self.index_error}
+                               "finished_buckets": "", "dataset_hash": None, "buckets_error": self.index_error}
         if self.index_error is not None:
             return out
         try:
-            count = read_manifest_dict(self.output_dir).get("buckets")
+            manifest = read_manifest_dict(self.output_dir)
         except ManifestError:
             return out
+        count = manifest.get("buckets")
+        if isinstance(manifest.get("dataset_hash"), str):
+            out["dataset_hash"] = manifest["dataset_hash"]
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             return out
         done = done_per_bucket(self.index_ids, count)

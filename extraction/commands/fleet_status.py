@@ -78,17 +78,17 @@ LIMITED_VIEW: dict[str, Any] = {
 
 
 def exit_code(hosts: list[HostStatus], view: dict[str, Any]) -> int:
-    """1 while a sample is missing or a host is marked with an alarm (one taken over is not:
-    `mark_taken_over` first), else 0."""
+    """1 while a sample is missing, the hosts' copies of the dataset disagree, or a host is marked
+    with an alarm (one taken over is not, unless its job runs on: `mark_taken_over` first), else 0."""
     marked = fleet_total(hosts)["marked"]
-    missing = view.get("known") and view["samples"]["missing"] > 0
+    missing = view.get("known") and (view["samples"]["missing"] > 0 or view.get("inconsistent"))
     return EXIT_FAILED if marked or missing else EXIT_OK
 
 
-def write_prom(path: str, view: dict[str, Any]) -> None:
-    """The view as a Prometheus textfile (mode 0644: node_exporter reads it as another user)."""
-    atomic_write_bytes(os.path.abspath(path), prometheus_text(view).encode("utf-8"))
-    os.chmod(path, 0o644)
+def write_prom(path: str, view: dict[str, Any], hosts: list[HostStatus] | None = None) -> None:
+    """The view as a Prometheus textfile, replaced atomically; the temp is made 0644 (node_exporter
+    reads it as another user), so the file never has another mode under its name."""
+    atomic_write_bytes(os.path.abspath(path), prometheus_text(view, hosts).encode("utf-8"), mode=0o644)
 
 
 def once(args: argparse.Namespace) -> int:
@@ -121,7 +121,7 @@ def once(args: argparse.Namespace) -> int:
         render(hosts)
         print("\n".join(render_view(view)))
     if args.prom:
-        write_prom(args.prom, view)
+        write_prom(args.prom, view, hosts)
     code = exit_code(hosts, view)
     if args.plot:
         try:

@@ -13,15 +13,21 @@ Contract (`fleet_view(hosts, assignment)`):
   `missing` = total - it is an upper bound; `exact` says whether every bucket was exact. So
   `missing` is never under-counted: 0 means every sample exists on some host.
 - Without totals from any host (no buckets.json yet) nothing is counted done; `known` is false.
+- The hosts' copies of the dataset must agree (issue #51): every answering host that reports totals
+  must report the same per-bucket counts, the same bucket count, and the same dataset hash (run.json's
+  `dataset_hash`, where given). Otherwise `inconsistent` names the hosts and buckets that disagree,
+  each bucket is counted against the largest total any host reports (so `missing` stays an upper
+  bound), and the dataset is never `complete`. No host's counts are taken as the truth.
 - Per host: the buckets it owns by state, the samples its index holds, and how many of those lie
   in buckets it does not own (taken over from it, or earlier work).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
-from hsx.buckets import AssignError, parse_assign
+from hsx.buckets import AssignError, format_ranges, parse_assign
 
 STATES = ("done", "running", "unreachable", "unassigned")
 
@@ -42,8 +48,7 @@ def fleet_view(hosts: list[Any], assignment: dict[str, Any] | None) -> dict[str,
     n = assignment["buckets"] if assignment else (counts[0] if counts else None)
     if not n:
         return {"known": False, "reason": "no host reports a run with buckets (and no assignment file)"}
-    totals = next((r["bucket_totals"] for r in answered.values()
-                   if r.get("bucket_count") == n and r.get("bucket_totals")), None)
+    totals, inconsistent = _agreed_totals(answered, n)
     if assignment:
         owner = {b: h for h, s in assignment["hosts"].items() for b in _spec(s, n)}
     else:
@@ -57,7 +62,7 @@ def fleet_view(hosts: list[Any], assignment: dict[str, Any] | None) -> dict[str,
     retired = set(assignment.get("retired", [])) if assignment else set()
     state: dict[int, str] = {}
     samples = {"total": 0, "done": 0, "done_once": 0, "done_twice": 0, "missing": 0}
-    exact = totals is not None
+    exact = totals is not None and inconsistent is None
     for b in range(n):
         held = [c[b] for c in done_by.values() if c.get(b)]
         total = totals[b] if totals else None
@@ -97,11 +102,59 @@ def fleet_view(hosts: list[Any], assignment: dict[str, Any] | None) -> dict[str,
         "bucket_states": {s: sum(1 for v in state.values() if v == s) for s in STATES},
         "samples": samples,
         "exact": exact,
-        "complete": totals is not None and samples["missing"] == 0,
+        "complete": totals is not None and samples["missing"] == 0 and inconsistent is None,
+        "inconsistent": inconsistent,
         "retired": sorted(retired),
         "epoch": assignment.get("epoch", 0) if assignment else None,
         "per_host": per_host,
     }
+
+
+def _odd_ones(values: dict[str, Any]) -> list[str]:
+    """The hosts whose value is not the one most hosts give; every host when no value has a majority."""
+    if len(set(values.values())) <= 1:
+        return []
+    (common, most), *rest = Counter(values.values()).most_common()
+    if rest and rest[0][1] == most:
+        return sorted(values)
+    return sorted(h for h, v in values.items() if v != common)
+
+
+def _agreed_totals(answered: dict[str, dict[str, Any]], n: int) -> tuple[list[int] | None, dict[str, Any] | None]:
+    """(per-bucket totals to count against, what disagrees or None); see the module's contract."""
+    per_host = {h: list(r["bucket_totals"]) for h, r in answered.items()
+                if r.get("bucket_count") == n and isinstance(r.get("bucket_totals"), list)
+                and len(r["bucket_totals"]) == n}
+    totals = [max(t[b] for t in per_host.values()) for b in range(n)] if per_host else None
+    differ = {b for b in range(n) if len({t[b] for t in per_host.values()}) > 1} if per_host else set()
+    hashes = {h: str(r["dataset_hash"]) for h, r in answered.items() if r.get("dataset_hash")}
+    counts = {h: r["bucket_count"] for h, r in answered.items() if r.get("bucket_count") not in (None, n)}
+    if not differ and len(set(hashes.values())) <= 1 and not counts:
+        return totals, None
+    odd = set(_odd_ones({h: tuple(t) for h, t in per_host.items()})) | set(_odd_ones(hashes)) | set(counts)
+    return totals, {
+        "hosts": sorted(odd),
+        "buckets": format_ranges(differ),
+        "dataset_hashes": hashes if len(set(hashes.values())) > 1 else {},
+        "bucket_counts": counts,
+    }
+
+
+def _inconsistent_line(view: dict[str, Any]) -> str:
+    """What disagrees, for people: the hosts, the buckets, the dataset hashes, the bucket counts."""
+    bad = view["inconsistent"]
+    why = []
+    if bad["buckets"]:
+        others = sorted(set(view["per_host"]) - set(bad["hosts"]))
+        named = ", ".join(bad["hosts"])
+        whom = f" from {', '.join(others)}" if len(bad["hosts"]) < len(view["per_host"]) and others else ""
+        why.append(f"{'hosts' if len(bad['hosts']) > 1 else 'host'} {named} count bucket(s) {bad['buckets']} "
+                   f"differently{whom}")
+    if bad["dataset_hashes"]:
+        why.append("dataset hash " + ", ".join(f"{h} {v[:12]}" for h, v in sorted(bad["dataset_hashes"].items())))
+    why += [f"{h} runs {c} buckets, the fleet {view['buckets']}" for h, c in sorted(bad["bucket_counts"].items())]
+    return ("INCONSISTENT: the hosts' copies of the dataset disagree (" + "; ".join(why) + "): give every host "
+            "the same dataset file (hsx_dataset_path), then run hsx recover; until then nothing is called complete")
 
 
 def mark_taken_over(hosts: list[Any], assignment: dict[str, Any] | None) -> None:
@@ -128,20 +181,26 @@ def render_view(view: dict[str, Any]) -> list[str]:
             f"{'-' if v['samples_elsewhere'] is None else v['samples_elsewhere']:>9}{tag}"
         )
     s, bs = view["samples"], view["bucket_states"]
-    approx = "" if view["exact"] else " (at most; some buckets are shared mid-run)"
+    bad = view.get("inconsistent")
+    approx = ("" if view["exact"] else " (at most; the hosts' counts disagree)" if bad
+              else " (at most; some buckets are shared mid-run)")
+    if bad:
+        lines.append(_inconsistent_line(view))
+    verdict = ("COMPLETE" if view["complete"] else
+               "INCOMPLETE (inconsistent: the hosts' copies of the dataset disagree)" if bad else "INCOMPLETE")
     lines.append(
         f"DATASET: {view['buckets']} buckets: {bs['done']} done, {bs['running']} running, {bs['unreachable']} on "
         f"unreachable hosts, {bs['unassigned']} unassigned; samples {s['done']}/{s['total']} done "
-        f"({s['done_once']} once, {s['done_twice']} twice), {s['missing']} missing{approx}: "
-        + ("COMPLETE" if view["complete"] else "INCOMPLETE")
+        f"({s['done_once']} once, {s['done_twice']} twice), {s['missing']} missing{approx}: {verdict}"
     )
     return lines
 
 
-def prometheus_text(view: dict[str, Any]) -> str:
+def prometheus_text(view: dict[str, Any], hosts: list[Any] | None = None) -> str:
     """The same numbers as Prometheus text (`hsx fleet-status --prom FILE`, for node_exporter's
     textfile collector on the control node): per host its buckets by state and samples, and the
-    fleet's samples by kind."""
+    fleet's samples by kind; whether the hosts' copies of the dataset agree; with `hosts`
+    (fleetstatus.HostStatus, after mark_taken_over), each retired host and whether its job runs."""
     out = [
         "# HELP hsx_fleet_buckets Buckets a host owns in the fleet's assignment, by state.",
         "# TYPE hsx_fleet_buckets gauge",
@@ -163,6 +222,18 @@ def prometheus_text(view: dict[str, Any]) -> str:
             out.append(f'hsx_fleet_samples{{kind="{k}"}} {view["samples"][k]}')
     out += ["# HELP hsx_fleet_complete 1 when every sample of the dataset is done on some host.",
             "# TYPE hsx_fleet_complete gauge", f"hsx_fleet_complete {1 if view.get('complete') else 0}"]
+    out += ["# HELP hsx_fleet_consistent 1 when the hosts' copies of the dataset agree (bucket counts, dataset hash).",
+            "# TYPE hsx_fleet_consistent gauge"]
+    if view.get("known"):
+        out.append(f"hsx_fleet_consistent {0 if view.get('inconsistent') else 1}")
+    retired = [h for h in hosts or [] if h.taken_over is not None]
+    out += ["# HELP hsx_fleet_retired 1 for a host the fleet's assignment retired (taken over).",
+            "# TYPE hsx_fleet_retired gauge"]
+    out += [f'hsx_fleet_retired{{host="{_label(h.host)}"}} 1' for h in retired]
+    out += ["# HELP hsx_fleet_retired_running 1 while a retired host's job runs on (stop it: hsx takeover HOST).",
+            "# TYPE hsx_fleet_retired_running gauge"]
+    out += [f'hsx_fleet_retired_running{{host="{_label(h.host)}"}} {1 if h.retired_running else 0}'
+            for h in retired]
     return "\n".join(out) + "\n"
 
 

@@ -4,7 +4,11 @@ Hosts that are unreachable, whose module failed, that have no job, or whose job 
 progress are marked (and make the exit code 1); none is left out of the table or the total. A host
 the fleet's assignment file retired (taken over: `taken_over` holds the finished buckets it kept) is
 marked TAKEN OVER instead, whatever its job or its reachability says: that is not an alarm (it is
-left out of `fleet_total`'s `marked` and of the exit code).
+left out of `fleet_total`'s `marked` and of the exit code) - unless its job runs on (a healed
+partition: state running or starting, written by a live process within PROGRESS_WINDOW_S, or making
+progress): then it is RETIRED_RUNNING, an alarm (it runs buckets other hosts own now). A retired
+host counts in the totals with the buckets it kept only (done of them / their samples), so the
+per-host total and the dataset view agree.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from extraction.fleet.playbook import (
     runner_env,
     scrub_artifacts,
 )
+from hsx.buckets import AssignError, parse_assign
 from hsx.status import format_eta, parse_status
 
 DEFAULT_OUTPUT_DIR = "/data/hsx/output"
@@ -33,6 +38,8 @@ KEEP_ARTIFACTS = 5  # fleet-status runs kept (its own kind: recover/provision/ro
 ARTIFACT_KIND = "fleet-status"
 UNREACHABLE, FAILED, NO_JOB, STALLED = "UNREACHABLE", "MODULE FAILED", "NO JOB", "NOT PROGRESSING"
 TAKEN_OVER = "TAKEN OVER"  # retired by a takeover: expected, never an alarm
+RETIRED_RUNNING = "TAKEN OVER, STILL RUNNING"  # retired, yet its job runs on (a healed partition): an alarm
+PROGRESS_WINDOW_S = 120  # extraction_status_info's progress_window: a status this fresh has a live writer
 
 
 @dataclass
@@ -48,10 +55,36 @@ class HostStatus:
     taken_over: str | None = None
 
     @property
+    def retired_running(self) -> bool:
+        """Retired, and its job runs on: it answered with state running or starting, and makes
+        progress or a live process wrote its status within PROGRESS_WINDOW_S."""
+        r = self.result
+        if self.taken_over is None or self.unreachable or self.error or r.get("state") not in ("running", "starting"):
+            return False
+        age = r.get("status_age_s")
+        fresh = r.get("pid_alive") is True and isinstance(age, int | float) and age <= PROGRESS_WINDOW_S
+        return bool(r.get("making_progress")) or fresh
+
+    def kept(self) -> tuple[int, int] | None:
+        """(samples done, samples) of the buckets a retired host kept, from its own reading; None
+        when it gave none (unreachable, no bucket totals) or it is not retired."""
+        r = self.result
+        totals, n = r.get("bucket_totals"), r.get("bucket_count")
+        if self.taken_over is None or not isinstance(totals, list) or not isinstance(n, int) or len(totals) != n:
+            return None
+        try:
+            mine = parse_assign(self.taken_over, n) if self.taken_over else []
+        except AssignError:
+            return None
+        done = r.get("bucket_done") or {}
+        return (sum(min(int(done.get(str(b), 0)), totals[b]) for b in mine), sum(totals[b] for b in mine))
+
+    @property
     def mark(self) -> str:
-        """Empty when the host is fine (done, or running and making progress); TAKEN_OVER for a retired host."""
+        """Empty when the host is fine (done, or running and making progress); TAKEN_OVER for a retired
+        host, RETIRED_RUNNING for one whose job runs on."""
         if self.taken_over is not None:
-            return TAKEN_OVER
+            return RETIRED_RUNNING if self.retired_running else TAKEN_OVER
         if self.unreachable:
             return UNREACHABLE
         if self.error:
@@ -65,11 +98,17 @@ class HostStatus:
 
     @property
     def alarm(self) -> bool:
-        """A mark that asks for a person (any but TAKEN_OVER)."""
+        """A mark that asks for a person (any but TAKEN_OVER; RETIRED_RUNNING is one)."""
         return self.mark not in ("", TAKEN_OVER)
 
     @property
     def reason(self) -> str:
+        if self.retired_running:
+            r = self.result
+            age = r.get("last_progress_age_s")
+            return (f"taken over, yet its job runs (state {r.get('state')}, {float(r.get('samples_per_s') or 0):.2f} "
+                    f"samples/s, last progress {_age(age)}): it runs buckets other hosts own now; stop it: "
+                    f"hsx takeover {self.host}")
         if self.taken_over is not None:
             return self._taken_over_reason()
         if self.unreachable or self.error:
@@ -197,13 +236,26 @@ def collect(
     return sorted(collector.hosts.values(), key=lambda h: h.host), runner
 
 
+def done_total(h: HostStatus) -> tuple[int, int | None] | None:
+    """What a host counts for in the totals: (done, total) of its reading; of a retired host, of the
+    buckets it kept (HostStatus.kept); None when it gave nothing to count."""
+    if h.taken_over is not None:
+        return h.kept()
+    if not h.result:
+        return None
+    total = h.result.get("total")
+    return int(h.result.get("done") or 0), int(total) if total is not None else None
+
+
 def fleet_total(hosts: list[HostStatus]) -> dict[str, Any]:
-    """Samples done/total and the rate over the hosts; `marked`: host -> mark for the alarms only
-    (a host taken over is listed in `taken_over` instead)."""
-    answered = [h.result for h in hosts if h.result]
-    done = sum(int(r.get("done") or 0) for r in answered)
-    total = sum(int(r.get("total") or 0) for r in answered)
-    rate = round(sum(float(r.get("samples_per_s") or 0) for r in answered if r.get("making_progress")), 3)
+    """Samples done/total and the rate over the hosts (a retired host: its kept buckets, its rate
+    never); `marked`: host -> mark for the alarms only (a host taken over is listed in `taken_over`
+    instead, and in `marked` too while its job runs on)."""
+    counted = [c for c in (done_total(h) for h in hosts) if c is not None]
+    done = sum(d for d, _ in counted)
+    total = sum(t or 0 for _, t in counted)
+    rate = round(sum(float(h.result.get("samples_per_s") or 0) for h in hosts
+                     if h.result.get("making_progress") and h.taken_over is None), 3)
     remaining = max(total - done, 0)
     return {
         "hosts": len(hosts),
@@ -227,7 +279,7 @@ def render(hosts: list[HostStatus], out: TextIO = sys.stdout) -> None:
     )
     for h in hosts:
         r = h.result
-        done, total = r.get("done"), r.get("total")
+        done, total = done_total(h) or (r.get("done"), r.get("total"))
         pct = f" {100 * done / total:5.1f}%" if r and total else ""
         cells = (
             f"{done}/{total if total is not None else '?'}{pct}" if r else "-",
@@ -237,6 +289,8 @@ def render(hosts: list[HostStatus], out: TextIO = sys.stdout) -> None:
         )
         mark = f"{h.mark}: {h.reason}" if h.mark and h.reason else h.mark
         state = r.get("state", "-") if r else "-"
+        if h.mark == TAKEN_OVER:  # what its stale status says is not what it does
+            state = "retired"
         print(
             f"{h.host:<18} {state[:16]:<16} {cells[0]:>15} {cells[1]:>9} {cells[2]:>8} {cells[3]:>10}  {mark}",
             file=out,

@@ -152,14 +152,17 @@ def nofollow_opener(path: str, flags: int) -> int:
     return open_nofollow(path, flags)
 
 
-def atomic_write_bytes(path: str, data: bytes, *, dir_fd: int | None = None, durable: bool = True) -> None:
+def atomic_write_bytes(
+    path: str, data: bytes, *, dir_fd: int | None = None, durable: bool = True, mode: int | None = None
+) -> None:
     """Temp in the same directory -> write -> fsync -> rename -> fsync the directory.
 
     The temp is created O_EXCL|O_NOFOLLOW under a name nobody can guess (layout.temp_name), and
     renamed relative to the directory's fd: the file's own name being a link replaces the link.
     With `dir_fd` (a directory opened by open_dir_nofollow), `path` is a name in it; else the
     directory of `path` is opened as given. `durable=False` skips both fsyncs (a file rewritten
-    every few seconds, whose lost update costs nothing)."""
+    every few seconds, whose lost update costs nothing). `mode`: the temp is made with it, whatever
+    the umask (the file never has another mode under its name); default 0666 less the umask."""
     directory, name = os.path.split(path)
     if dir_fd is not None and directory:
         raise ValueError(f"{path}: with dir_fd, a name in that directory")
@@ -167,8 +170,11 @@ def atomic_write_bytes(path: str, data: bytes, *, dir_fd: int | None = None, dur
     try:
         tmp = temp_name(name)
         try:
-            fd = open_nofollow(tmp, _NEW_FILE, dir_fd=dfd, path=os.path.join(directory, tmp))
+            fd = open_nofollow(tmp, _NEW_FILE, 0o666 if mode is None else mode, dir_fd=dfd,
+                               path=os.path.join(directory, tmp))
             with open(fd, "wb") as f:
+                if mode is not None:
+                    os.fchmod(f.fileno(), mode)
                 f.write(data)
                 f.flush()
                 if durable:

@@ -169,3 +169,17 @@ def test_an_unreadable_index_reports_its_buckets_unknown_never_none_started(tmp_
     st.read()
     fine = st.read_buckets()
     assert fine["bucket_count"] == 4 and fine["buckets_error"] is None and sum(fine["bucket_done"].values()) == 3
+
+
+def test_the_runs_dataset_hash_comes_with_its_buckets(tmp_path):
+    """#51: fleet-status compares the hosts' copies of the dataset: each host reports run.json's
+    dataset_hash beside its per-bucket counts (None where run.json has none, or it is not a string)."""
+    plant(tmp_path, 2, status(done=2))
+    (tmp_path / "run.json").write_text('{"buckets": 4, "dataset_hash": "ab12"}')
+    st = extraction_status.ExtractionStatus(str(tmp_path), progress_window=60)
+    st.read()
+    assert st.read_buckets()["dataset_hash"] == "ab12"
+    (tmp_path / "run.json").write_text('{"buckets": 4, "dataset_hash": ["x"]}')
+    assert st.read_buckets()["dataset_hash"] is None
+    (tmp_path / "run.json").write_text('{"buckets": 4}')
+    assert st.read_buckets()["dataset_hash"] is None
