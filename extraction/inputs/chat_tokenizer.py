@@ -196,7 +196,7 @@ class ChatTokenizer:
         whitespace: the pre-tokenizers of byte-level BPE and SentencePiece tokenizers split there,
         and tokens never cross such a split, so every token before the cut is the whole text's.
         A normalizer that drops characters would break the first argument, so the first cut is
-        checked against the whole text's tokens (encode) and cuts are given up if they differ."""
+        checked (_check_cut) and cuts are given up if it fails."""
         if self.max_length is None or not self.use_offsets or not self._cut_ok:
             return None
         if self._chars_per_token is None:
@@ -205,24 +205,36 @@ class ChatTokenizer:
         at = (self.max_length + CUT_SLACK_TOKENS) * self._chars_per_token
         if len(text) <= at + 1:
             return None
-        split = _SPLIT.search(text, at - 1, 2 * at + (1 << 16))  # a split within reach
-        return split.end() if split is not None else None
+        return _split_after(text, at)
+
+    def _check_cut(self, text: str, cut: int) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """The first cut's check: the cut text's first max_length tokens (ids and offsets) must be
+        those of a text reaching at least twice as far (the next split after 2 * cut, or the whole
+        text when it ends before), and the cut text must hold more than max_length tokens. Returns
+        the cut text's tokens when it holds (and keeps cutting), None when it does not (and gives
+        cuts up for good). Never the whole of a long text (issue #49 item 7: the first long row
+        cost ~500 MiB a MiB of text): what is tokenized stays within a few times the cut."""
+        n = self.max_length or 0
+        far = _split_after(text, 2 * cut) if len(text) > 2 * cut + 1 else len(text)
+        longer = self._ids_and_offsets(text[: far if far is not None else 2 * cut])
+        cut_ids = self._ids_and_offsets(text[:cut])
+        self._cut_ok = list(longer[0][:n]) == list(cut_ids[0][:n]) and len(cut_ids[0]) > n
+        self._cut_ok = self._cut_ok and [tuple(o) for o in longer[1][:n]] == [
+            tuple(o) for o in cut_ids[1][:n]
+        ]
+        self._cut_checked = True
+        return cut_ids if self._cut_ok else None
 
     def encode(self, conv: Conversation) -> Sample:
         text, befores, uptos = self._render_all(conv.messages)
         spans = self.assistant_spans(conv.messages, text, (befores, uptos))
         cut = self._cut_point(text)
+        checked = None
         if cut is not None and not self._cut_checked:  # once: the cut must change no kept token
-            whole, cut_ids = self._ids_and_offsets(text), self._ids_and_offsets(text[:cut])
-            n = self.max_length or 0
-            self._cut_ok = list(whole[0][:n]) == list(cut_ids[0][:n]) and len(cut_ids[0]) > n
-            self._cut_ok = self._cut_ok and [tuple(o) for o in whole[1][:n]] == [
-                tuple(o) for o in cut_ids[1][:n]
-            ]
-            self._cut_checked = True
-            cut = cut if self._cut_ok else None
+            checked = self._check_cut(text, cut)
+            cut = cut if checked is not None else None
         if self.use_offsets:
-            ids, offsets = self._ids_and_offsets(text if cut is None else text[:cut])
+            ids, offsets = checked or self._ids_and_offsets(text if cut is None else text[:cut])
             mask_t = _span_mask(offsets, spans)
         else:  # slow tokenizers have no offsets: tokenize piece by piece at span boundaries
             ids, mask, pos = [], [], 0
@@ -247,6 +259,13 @@ class ChatTokenizer:
             truncated=truncated,
             meta={"line": conv.line, "num_tokens_full": full},
         )
+
+
+def _split_after(text: str, at: int) -> int | None:
+    """The end of the first split (a non-space character followed by whitespace) from character
+    `at` on, looked for within reach (up to 2 * at + 64 Ki characters), or None."""
+    split = _SPLIT.search(text, at - 1, 2 * at + (1 << 16))
+    return split.end() if split is not None else None
 
 
 def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> torch.Tensor:
