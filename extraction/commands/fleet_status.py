@@ -11,7 +11,7 @@ from typing import Any
 
 from extraction.fleet.fleetbuckets import fleet_view, mark_taken_over, prometheus_text, render_view
 from extraction.fleet.fleetstatus import HostStatus, as_json, collect, fleet_total, render
-from extraction.fleet.playbook import REPORTS
+from extraction.fleet.playbook import REPORTS, OperatorError, chosen_inventory
 from extraction.fleet.plot import PlotError, plot_history
 from hsx.assignfile import AssignmentFileError, read_assignment
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--inventory",
         action="append",
         metavar="INVENTORY",
-        help="inventory (repeatable; default: ansible.cfg's, the lab)",
+        help="inventory (repeatable; default: ANSIBLE_INVENTORY; one of them is needed)",
     )
     p.add_argument("-l", "--limit", metavar="HOSTS",
                    help="only these hosts (default: all); the dataset's completeness is then not given")
@@ -142,6 +142,11 @@ def once(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.watch is not None and args.watch <= 0:
         print("hsx fleet-status: --watch needs a positive number of seconds", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        args.inventory = chosen_inventory(args.inventory, "fleet-status")
+    except OperatorError as e:
+        print(f"hsx fleet-status: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.watch is None:
         return once(args)

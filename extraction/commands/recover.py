@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from extraction.fleet.playbook import add_playbook_arguments, run_playbook
+from extraction.fleet.playbook import OperatorError, add_playbook_arguments, chosen_inventory, run_playbook
+from hsx.exitcodes import EXIT_USAGE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,4 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        args.inventory = chosen_inventory(args.inventory, "recover")
+    except OperatorError as e:
+        print(f"hsx recover: {e}", file=sys.stderr)
+        return EXIT_USAGE
     return run_playbook(args, "recover.yml", "recover")

@@ -5,9 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
-from extraction.fleet.playbook import REPORTS, add_playbook_arguments, run_playbook
+from extraction.fleet.playbook import (
+    REPORTS,
+    OperatorError,
+    add_playbook_arguments,
+    chosen_inventory,
+    run_playbook,
+)
+from hsx.exitcodes import EXIT_USAGE
 
 PLAN_TASK = "The plan"  # roles/extraction_job/tasks/takeover.yml's task that says what moves
 
@@ -41,6 +49,11 @@ def plan_message(artifact_dir: Path) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        args.inventory = chosen_inventory(args.inventory, "takeover")
+    except OperatorError as e:
+        print(f"hsx takeover: {e}", file=sys.stderr)
+        return EXIT_USAGE
     args.extra_vars = [*(args.extra_vars or []), json.dumps({"hsx_takeover_host": args.host})]
     code = run_playbook(args, "takeover.yml", "takeover")
     artifacts = (args.report_dir or REPORTS).resolve() / ".runner" / "artifacts"

@@ -28,6 +28,7 @@ from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 REPO = Path(__file__).resolve().parents[2]
 REPORTS = REPO / "reports"
+LAB_INVENTORY = REPO / "inventory" / "lab"  # ansible.cfg's default: the test lab's, never a fallback of hsx
 KEEP_ARTIFACTS = 10
 EXTRA_VARS_FLAGS = ("-e", "--extra-vars")
 
@@ -42,7 +43,7 @@ def add_playbook_arguments(p: argparse.ArgumentParser) -> None:
         "--inventory",
         action="append",
         metavar="INVENTORY",
-        help="inventory file, directory or script (repeatable; default: ansible.cfg's, the lab)",
+        help="inventory file, directory or script (repeatable; default: ANSIBLE_INVENTORY; one of them is needed)",
     )
     p.add_argument("-l", "--limit", metavar="HOSTS", help="only these hosts (Ansible pattern)")
     p.add_argument("-C", "--check", action="store_true", help="change nothing; report what would change")
@@ -63,6 +64,26 @@ def add_playbook_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help=f"where reports (and runner artifacts under .runner/) go (default: {REPORTS})",
     )
+
+
+def chosen_inventory(given: list[str] | None, command: str, err: TextIO | None = None) -> list[str]:
+    """The inventory an operator's command acts on, said on `err` (stderr): `-i` as given (paths made
+    absolute), else ANSIBLE_INVENTORY (comma-separated). Neither: OperatorError - ansible.cfg's default
+    is the lab's (inventory/lab), which hsx uses only when it is named."""
+    if given:
+        chosen, source = [absolute(i) for i in given], "-i"
+    else:
+        chosen = [absolute(i.strip()) for i in os.environ.get("ANSIBLE_INVENTORY", "").split(",") if i.strip()]
+        source = "ANSIBLE_INVENTORY"
+    if not chosen:
+        raise OperatorError(
+            "no inventory given: name the one to act on with -i INVENTORY (or set ANSIBLE_INVENTORY). "
+            f"ansible.cfg's default, {LAB_INVENTORY.relative_to(REPO)}, is the test lab's: hsx acts on it only "
+            f"when named (-i {LAB_INVENTORY.relative_to(REPO)}). Nothing was run"
+        )
+    lab = source + (": the lab's" if any(Path(i) == LAB_INVENTORY for i in chosen) else "")
+    print(f"hsx {command}: inventory: {', '.join(chosen)} ({lab})", file=err or sys.stderr)
+    return chosen
 
 
 def runner_env() -> dict[str, str]:

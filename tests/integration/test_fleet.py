@@ -39,7 +39,8 @@ DOWN_FOR_S = 40  # the lab's node-down window before the takeover (production 10
 
 
 def hsx(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_SSH_ARGS=KEEPALIVE_SSH_ARGS)
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_SSH_ARGS=KEEPALIVE_SSH_ARGS,
+               ANSIBLE_INVENTORY=str(REPO / "inventory" / "lab"))  # hsx never defaults to the lab's
     return subprocess.run([str(BIN / "hsx"), *args], cwd=REPO, capture_output=True, text=True, env=env,
                           timeout=timeout)
 

@@ -60,7 +60,8 @@ def fleet(operator):
 
 def hsx(*args: str, on_line=None, timeout: int = 900) -> tuple[int, str]:
     """Run `hsx ...` (not a terminal: line-by-line progress); `on_line` sees each line as it comes."""
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_SSH_ARGS=KEEPALIVE_SSH_ARGS)
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_SSH_ARGS=KEEPALIVE_SSH_ARGS,
+               ANSIBLE_INVENTORY=str(REPO / "inventory" / "lab"))  # hsx never defaults to the lab's
     proc = subprocess.Popen([str(BIN / "hsx"), *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
