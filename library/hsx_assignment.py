@@ -26,6 +26,10 @@ description:
       started (not in O(started)); without it such a host fails the task, so an inventory typo never moves work.
     - Runs on the control node (C(delegate_to=localhost), C(run_once), C(become=false)). Check mode writes
       nothing and returns the assignment that would be written.
+    - A file at the old default place, C(fleet/assignment.json) beside C(.fleet/) (Ansible read it as an inventory
+      source under C(-i DIR)), is moved to O(path) when O(path) is that default place and holds none; it is read and
+      checked first (a bad one fails the task, naming it, and stays), its bytes written atomically at O(path), then
+      the old file, its empty lock and its directory (when left empty) removed. Check mode reads it where it is.
 version_added: "0.1.0"
 author:
     - hsx maintainers (!UNKNOWN)
@@ -33,7 +37,9 @@ requirements:
     - python >= 3.10 on the managed host
 options:
     path:
-        description: The assignment file (its directory is made if absent).
+        description:
+            - The assignment file (its directory is made if absent). The roles' default is C(.fleet/assignment.json)
+              in the inventory's directory (roles/extraction_job C(extraction_job_assignment_file)).
         type: path
         required: true
     hosts:
@@ -93,7 +99,7 @@ attributes:
 EXAMPLES = r"""
 - name: The fleet's assignment
   hsx_assignment:
-    path: "{{ inventory_dir }}/fleet/assignment.json"
+    path: "{{ inventory_dir }}/.fleet/assignment.json"
     hosts: "{{ ansible_play_hosts_all }}"
   delegate_to: localhost
   run_once: true
@@ -136,6 +142,10 @@ moved:
     description: With O(takeover) or O(rebalance), host -> the buckets it gets (a range list); empty when nothing moved.
     type: dict
     returned: success
+migrated_from:
+    description: The old place the file was moved from in this run (see the description), or null.
+    type: str
+    returned: success
 """
 
 import contextlib
@@ -149,7 +159,10 @@ from ansible.module_utils.hsx.assignfile import (
     AssignmentFileError,
     assignment_lock,
     check_unchanged,
+    legacy_path,
+    migrate_legacy,
     read_assignment,
+    readable_path,
     write_assignment,
 )
 from ansible.module_utils.hsx.buckets import (
@@ -317,22 +330,36 @@ def main() -> None:
     p = module.params
     path = os.path.abspath(p["path"])
     warnings: list[str] = []
+    migrated = None
     try:
+        old = legacy_path(path)
+        if module.check_mode:
+            path = readable_path(path)  # read where it is; nothing is moved
+        elif old and os.path.lexists(old) and not os.path.lexists(path):
+            with assignment_lock(path):
+                migrated = migrate_legacy(path)
+        if migrated:
+            warnings.append(
+                f"moved the fleet's assignment from {migrated} to {path}: Ansible read the old place as an "
+                "inventory source (-i DIR); nothing in it changed"
+            )
         if p["takeover"]:
             assignment, changed, moved = takeover(path, p["takeover"], p["finished"], p["live_hosts"], module.check_mode)
         else:
-            assignment, changed, warnings, moved = resolve(
+            assignment, changed, said, moved = resolve(
                 path, list(p["hosts"]), p["buckets"], module.check_mode, p["create"], p["rebalance"], p["started"],
                 p["answered"],
             )
+            warnings += said
     except AssignmentFileError as e:
         module.fail_json(msg=str(e), path=path)
     for w in warnings:
         module.warn(w)
     new, gone = host_changes(assignment["hosts"], p["hosts"])
     module.exit_json(
-        changed=changed,
-        path=path,
+        changed=changed or bool(migrated),
+        path=os.path.abspath(p["path"]),
+        migrated_from=migrated,
         assignment=assignment["hosts"],
         buckets=assignment["buckets"],
         created=assignment["created"],

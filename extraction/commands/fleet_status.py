@@ -13,7 +13,7 @@ from extraction.fleet.fleetbuckets import fleet_view, mark_taken_over, prometheu
 from extraction.fleet.fleetstatus import HostStatus, as_json, collect, fleet_total, render
 from extraction.fleet.playbook import REPORTS, OperatorError, chosen_inventory
 from extraction.fleet.plot import PlotError, plot_history
-from hsx.assignfile import AssignmentFileError, read_assignment
+from hsx.assignfile import AssignmentFileError, default_path, read_assignment, readable_path
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from hsx.fsutil import atomic_write_bytes
 
@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--assignment",
         metavar="FILE",
-        help="the fleet's assignment file (default: fleet/assignment.json beside the first inventory, if there)",
+        help="the fleet's assignment file (default: .fleet/assignment.json beside the first inventory, if there)",
     )
     p.add_argument(
         "--prom",
@@ -58,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def load_assignment(path: str | None, inventory: list[str] | None) -> dict[str, Any] | None:
-    """The assignment file given, else fleet/assignment.json beside the first inventory when it exists."""
+    """The assignment file given, else the one at the default place beside the first inventory
+    (.fleet/assignment.json, or the old fleet/assignment.json until a play moves it) when it exists."""
     if path:
         found = read_assignment(os.path.abspath(path))
         if found is None:
@@ -68,7 +69,7 @@ def load_assignment(path: str | None, inventory: list[str] | None) -> dict[str, 
     if first is None or not first.exists():
         return None
     base = first if first.is_dir() else first.parent
-    return read_assignment(str(base.resolve() / "fleet" / "assignment.json"))
+    return read_assignment(readable_path(default_path(str(base.resolve()))))
 
 
 LIMITED_VIEW: dict[str, Any] = {

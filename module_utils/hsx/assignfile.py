@@ -24,6 +24,18 @@ Contract:
 - `check_unchanged(path, read)`: under the lock, before writing: AssignmentFileError (rerun) when
   the file is not what was read (`read` None: there was no file) - its epoch or hosts changed,
   by a writer that took no lock (a hand edit, an older hsx).
+
+Its default place (`default_path(inventory_dir)`) is `<inventory dir>/.fleet/assignment.json`: kept
+with the inventory, where Ansible never reads it as an inventory source (under `-i DIR` the loader
+parses every file below DIR but names starting with "." - always - and the INVENTORY_IGNORE_EXTS /
+INVENTORY_IGNORE_PATTERNS settings, which leave .json and .lock files in). The old default,
+`<inventory dir>/fleet/assignment.json` (`legacy_path`), was parsed so (warnings, a bogus group):
+- `readable_path(path)`: where a file at the default place is read from: `path`, or the old place
+  while `path` has none and the old one has (check mode, hsx fleet-status: nothing moved).
+- `migrate_legacy(path)`, under assignment_lock(path): the file at the old place moved to `path`
+  when `path` has none - read and checked first (AssignmentFileError naming it, nothing moved), its
+  very bytes written atomically at `path`, then the old file, its lock (an empty regular file) and
+  its directory (if then empty) removed. Returns the old path it moved, else None.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +53,7 @@ from .buckets import AssignError, check_assignment
 from .fsutil import LinkRefused, atomic_write_bytes, open_nofollow, read_nofollow
 
 LOCK_SUFFIX = ".lock"
+DEFAULT_DIR, LEGACY_DIR, FILE_NAME = ".fleet", "fleet", "assignment.json"  # roles/extraction_job's default: the same
 LOCK_WAIT_S = 120.0  # a takeover's read -> write takes well under a second
 MAX_FILE_BYTES = 4 << 20  # a thousand hosts' ranges and a long history are well under this
 ASIDE = "fix it, or move it aside to derive a new assignment (only before any node has started: it reassigns buckets)"
@@ -53,16 +67,24 @@ def _strings(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
-def read_assignment(path: str) -> dict[str, Any] | None:
-    """The file's {buckets, created, epoch, hosts, retired, history}, checked; None when there is none."""
+def _read_raw(path: str) -> bytes | None:
     try:
-        raw = read_nofollow(path, MAX_FILE_BYTES + 1)
+        return read_nofollow(path, MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         return None
     except LinkRefused as e:
         raise AssignmentFileError(f"{e}; put the assignment file itself there") from None
     except OSError as e:
         raise AssignmentFileError(f"{path}: cannot read the assignment: {e.strerror or e}") from None
+
+
+def read_assignment(path: str) -> dict[str, Any] | None:
+    """The file's {buckets, created, epoch, hosts, retired, history}, checked; None when there is none."""
+    raw = _read_raw(path)
+    return None if raw is None else _parse(path, raw)
+
+
+def _parse(path: str, raw: bytes) -> dict[str, Any]:
     if len(raw) > MAX_FILE_BYTES:
         raise AssignmentFileError(f"{path}: over {MAX_FILE_BYTES} bytes, not an assignment hsx wrote; {ASIDE}")
     try:
@@ -91,6 +113,55 @@ def read_assignment(path: str) -> dict[str, Any] | None:
         "retired": list(retired),
         "history": history,
     }
+
+
+def default_path(inventory_dir: str) -> str:
+    """The file's default place for an inventory directory (the module's contract)."""
+    return os.path.join(inventory_dir, DEFAULT_DIR, FILE_NAME)
+
+
+def legacy_path(path: str) -> str | None:
+    """The old default place of a file at the default place (DIR/.fleet/assignment.json ->
+    DIR/fleet/assignment.json); None for a file anywhere else (a place the operator chose)."""
+    directory, name = os.path.split(path)
+    if name != FILE_NAME or os.path.basename(directory) != DEFAULT_DIR:
+        return None
+    return os.path.join(os.path.dirname(directory), LEGACY_DIR, FILE_NAME)
+
+
+def readable_path(path: str) -> str:
+    """`path`, or the old place while only it has a file (read there; see the module's contract)."""
+    legacy = legacy_path(path)
+    if legacy and not os.path.lexists(path) and os.path.lexists(legacy):
+        return legacy
+    return path
+
+
+def migrate_legacy(path: str) -> str | None:
+    """Move the file at the old default place to `path` (see the module's contract); hold
+    assignment_lock(path) around it."""
+    legacy = legacy_path(path)
+    if legacy is None or os.path.lexists(path):
+        return None
+    raw = _read_raw(legacy)
+    if raw is None:
+        return None
+    _parse(legacy, raw)  # checked: a file that is not an assignment stays where it is, named
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        atomic_write_bytes(path, raw)
+    except OSError as e:
+        raise AssignmentFileError(f"{path}: cannot move the assignment here from {legacy}: {e.strerror or e}") from None
+    os.unlink(legacy)
+    lock = legacy + LOCK_SUFFIX
+    try:
+        st = os.lstat(lock)
+        if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+            os.unlink(lock)
+        os.rmdir(os.path.dirname(legacy))  # only if nothing else is in it
+    except OSError:
+        pass
+    return legacy
 
 
 def encode(assignment: dict[str, Any]) -> bytes:
