@@ -2,7 +2,8 @@
 
 `pip download --no-deps sglang==X` gives the wheel (a zip, ~40 MB); we keep only the few files the
 tests read under $HSX_SGLANG_WHEELS (default ~/.cache/hsx/sglang-wheels)/<version>/, so CI re-runs
-reuse them: deepseek_v2.py, the version files and aux_hidden_states.py by their base names (KEEP),
+reuse them: the model files the patch targets (deepseek_v2.py, llama.py, qwen2.py, qwen3.py; kimi_k25.py,
+which runs DeepSeek-V3 for Kimi-K2.5), the version files and aux_hidden_states.py by their base names (KEEP),
 and the sources tests/unit/test_sglang_fidelity.py reads by AST (server arguments, ForwardBatch, the
 HTTP server's routes and auth) under src/ at their package paths (KEEP_SRC). A cache made with other
 KEEP lists is fetched again (.complete records them).
@@ -29,6 +30,10 @@ from pathlib import Path
 
 KEEP = {
     "sglang/srt/models/deepseek_v2.py": "deepseek_v2.py",
+    "sglang/srt/models/llama.py": "llama.py",
+    "sglang/srt/models/qwen2.py": "qwen2.py",
+    "sglang/srt/models/qwen3.py": "qwen3.py",
+    "sglang/srt/models/kimi_k25.py": "kimi_k25.py",
     "sglang/_version.py": "_version.py",
     "sglang/version.py": "version.py",
     "sglang/srt/layers/aux_hidden_states.py": "aux_hidden_states.py",
@@ -137,7 +142,9 @@ def make_package(version: str, site: Path) -> Path:
     pkg = site / "sglang"
     (pkg / "srt" / "models").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    shutil.copy(src / "deepseek_v2.py", pkg / "srt" / "models" / "deepseek_v2.py")
+    for name in (n for n in KEEP.values() if n not in ("_version.py", "version.py", "aux_hidden_states.py")):
+        if (src / name).exists():  # the release's model files
+            shutil.copy(src / name, pkg / "srt" / "models" / name)
     for name in ("_version.py", "version.py"):
         if (src / name).exists():
             shutil.copy(src / name, pkg / name)

@@ -3,8 +3,10 @@
 Why it is built this way, what it assumes about SGLang (file and function names) and the evidence:
 docs/sglang_hook.md in the hsx repository. The contracts:
 
-- `attach(model)`, at the end of DeepseekV2Model.__init__: None (inactive) unless HSX_DUMP_DIR is
-  set; otherwise it claims capture by setting `model.layers_to_capture` to a list of its own.
+- `attach(model)`, at the end of the patched model's __init__ (DeepseekV2Model, LlamaModel,
+  Qwen2Model): None (inactive) unless HSX_DUMP_DIR is set, and when the model's forward is not the
+  patched one (`model._hsx_dump_class`, set by the patch line before it where the patch has it);
+  otherwise it claims capture by setting `model.layers_to_capture` to a list of its own.
 - `hook.after_forward(forward_batch, hidden_states, aux_hidden_states)`, just before the forward
   returns (`hidden_states` after `self.norm`): returns the aux states the model must return (`[]`
   when the hook owns capture, SGLang's own when EAGLE-3/DFlash set the list) and hands each prefill
@@ -160,12 +162,33 @@ def _num_layers(model: Any) -> int:
     return int(n) if n is not None else len(model.layers)
 
 
+def _forward_problem(model: Any) -> str | None:
+    """Why the model's forward would never call after_forward, or None. The patch of a model file
+    other than deepseek_v2.py sets `model._hsx_dump_class` to the class whose __init__ it patched;
+    a subclass with a forward of its own (Qwen3Model from SGLang 0.5.21) runs that __init__ but not
+    the patched forward, and a hook claiming capture there would make it return aux states its
+    caller does not expect. Without the attribute (deepseek_v2.py's patch v2) nothing is checked."""
+    patched = getattr(model, "_hsx_dump_class", None)
+    if patched is None:
+        return None
+    runs = getattr(type(model), "forward", None)
+    if runs is not None and runs is getattr(patched, "forward", None):
+        return None
+    owner = getattr(runs, "__qualname__", repr(runs)).rsplit(".", 1)[0]
+    return f"{owner}.forward is not the patched {patched.__qualname__}.forward (it never calls the hook)"
+
+
 def attach(model: Any, environ: dict[str, str] | None = None) -> DumpHook | None:
-    """Called from DeepseekV2Model.__init__; returns None (inactive) unless HSX_DUMP_DIR is set."""
+    """Called from the patched model's __init__; returns None (inactive) unless HSX_DUMP_DIR is set
+    and the model runs the patched forward (_forward_problem)."""
     env = os.environ if environ is None else environ
     try:
         directory = env.get(ENV_DIR, "")
         if not directory:
+            return None
+        problem = _forward_problem(model)
+        if problem is not None:
+            _log_once("attach-forward", "not attached, SGLang runs unpatched: %s", problem)
             return None
         num_layers = _num_layers(model)
         text = env.get(ENV_LAYERS, "")
