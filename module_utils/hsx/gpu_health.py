@@ -10,9 +10,13 @@ Contract:
   `GpuHealth` per device. A reading NVML does not support on this GPU or driver is None ("not
   known"), never a guess: Hopper has no page retirement (row remapping replaced it), a VM may hide
   the PCIe link.
-- `read_xids(lines)` finds the NVIDIA driver's XID reports (``NVRM: Xid (PCI:0000:18:00): 79, ...``)
-  in kernel log lines; `kernel_log()` gives those lines since boot from /dev/kmsg (read without
-  blocking) or None where it cannot be read (not root, a container).
+- `read_xids(buses, ...)` gathers the NVIDIA driver's XID reports for the node's GPUs (`buses`: their
+  PCI addresses, from NVML and the driver) from every source it can read: the kernel ring buffer
+  (/dev/kmsg), journald's kernel records of this boot, and the gate's own record of the XIDs it saw
+  earlier in this boot, which it then updates (hsx.xidlog: only the driver's own records count, and
+  an XID once seen survives a flood that pushes it out of the ring buffer). It returns an
+  `XidReading`: the XIDs (None when no source could be read), the sources read, and notes (warnings,
+  or a failure for a record that is not the gate's).
 - `judge(gpus, xids, policy)` is pure: it returns findings (`Finding`: gpu index or None, check name,
   "fail" or "warn", a sentence), and `passed(findings)` is True when none is "fail". What counts
   as failing follows DCGM's health watches (memory: uncorrectable ECC since boot and a pending or
@@ -22,12 +26,22 @@ Contract:
 
 from __future__ import annotations
 
-import errno
-import os
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .xidlog import (
+    Xid,
+    XidRecordError,
+    boot_id,
+    bus,
+    journal_records,
+    kernel_records,
+    load_seen,
+    match_xids,
+    save_seen,
+    unique,
+)
 
 # The XIDs that mean the GPU itself is bad or needs a reset before it can be trusted (NVIDIA's XID
 # catalogue): 48 double-bit ECC, 61/62 internal micro-controller halt, 63/64 row remap recorded /
@@ -36,7 +50,6 @@ from typing import Any
 # (13, 31, 43, 45: a bad kernel, an MMU fault of one program, a killed context) are not listed.
 BAD_XIDS = (48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140)
 
-_XID = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+)")
 
 
 @dataclass
@@ -83,23 +96,8 @@ class Finding:
     message: str
 
 
-@dataclass
-class Xid:
-    pci_bus_id: str
-    xid: int
-    line: str = field(repr=False)
-
-
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _bus(value: str) -> str:
-    """A PCI address in one form: domain 0000, lower case (NVML says 00000000:18:00.0, XIDs 0000:18:00)."""
-    parts = value.lower().split(":")
-    if len(parts) == 3:
-        parts[0] = parts[0][-4:].rjust(4, "0")
-    return ":".join(parts).split(".", maxsplit=1)[0]
 
 
 def _maybe(nvml: Any, fn: Callable[[], Any]) -> Any:
@@ -117,7 +115,7 @@ def read_health(nvml: Any) -> list[GpuHealth]:
     for index in range(n.nvmlDeviceGetCount()):
         h = n.nvmlDeviceGetHandleByIndex(index)
         g = GpuHealth(index, _text(n.nvmlDeviceGetName(h)), _text(n.nvmlDeviceGetUUID(h)),
-                      _bus(_text(n.nvmlDeviceGetPciInfo(h).busId)))
+                      bus(_text(n.nvmlDeviceGetPciInfo(h).busId)))
         mode = _maybe(n, lambda h=h: n.nvmlDeviceGetEccMode(h))
         g.ecc_enabled = None if mode is None else bool(mode[0])
         if g.ecc_enabled:
@@ -148,40 +146,68 @@ def read_health(nvml: Any) -> list[GpuHealth]:
     return out
 
 
-def kernel_log(path: str = "/dev/kmsg", max_records: int = 200_000) -> list[str] | None:
-    """The kernel log's records since boot (as far as the ring buffer holds them), read from `path`
-    without blocking and without following a link; None where it cannot be opened (not root, a
-    container without /dev/kmsg). /dev/kmsg returns one record a read, EAGAIN at the end and EPIPE
-    for a record overwritten while reading (skipped)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    lines: list[str] = []
-    try:
-        while len(lines) < max_records:
-            try:
-                record = os.read(fd, 8192)
-            except OSError as e:
-                if e.errno == errno.EPIPE:
-                    continue
-                break  # EAGAIN: the end; anything else: stop with what was read
-            if not record:
-                break
-            lines.append(record.decode("utf-8", "replace").split(";", 1)[-1].rstrip("\n"))
-    finally:
-        os.close(fd)
-    return lines
+@dataclass
+class XidReading:
+    """What read_xids found. xids None: no source could be read (the check is a warning then)."""
+
+    xids: list[Xid] | None
+    sources: list[str] = field(default_factory=list)
+    ignored: int = 0
+    recorded: bool = False
+    notes: list[Finding] = field(default_factory=list)
 
 
-def read_xids(lines: list[str]) -> list[Xid]:
-    """The NVIDIA driver's XID reports among kernel log lines."""
+def read_xids(buses: set[str], *, kmsg: str = "/dev/kmsg", journalctl: str | None = None,
+              record_dir: str | None = None, boot: str | None = None, write: bool = True) -> XidReading:
+    """The driver's XIDs for the GPUs at `buses` since this boot, from the ring buffer at `kmsg`,
+    the journal (`journalctl`: its path, None not to read it) and the record in `record_dir` (None:
+    no record), which is updated with what was found when `write` (check mode: not). `boot` is this
+    boot's id (default: the kernel's); without one no record is read or kept."""
+    r = XidReading(None)
+    ring = kernel_records(kmsg)
+    journal = journal_records(journalctl)
     found = []
-    for line in lines:
-        m = _XID.search(line)
-        if m:
-            found.append(Xid(_bus(m.group(1)), int(m.group(2)), line.strip()))
-    return found
+    for name, records in (("kmsg", ring), ("journal", journal)):
+        if records is not None:
+            scan = match_xids(records, buses)
+            r.sources.append(name)
+            r.ignored += scan.ignored
+            found += scan.xids
+    if r.ignored:
+        r.notes.append(Finding(None, "xid", "warn", f"{r.ignored} kernel log records mention an XID but are not "
+                               "the NVIDIA driver's own report for a GPU of this node (not the kernel's facility, "
+                               "not at the start of the message, or another PCI address): ignored"))
+    if ring and ring[0].seq > 0 and journal is None:
+        r.notes.append(Finding(None, "xid", "warn", f"the kernel ring buffer no longer holds its first {ring[0].seq} "
+                               "records of this boot and no journal was read: an XID among them counts only if "
+                               "an earlier run of the gate recorded it"))
+    seen: list[Xid] = []
+    boot = boot if boot is not None else boot_id()
+    if record_dir and boot is None:
+        r.notes.append(Finding(None, "xid", "warn", "no boot id (/proc/sys/kernel/random/boot_id): XIDs not recorded"))
+    elif record_dir and boot:
+        try:
+            seen = load_seen(record_dir, boot)
+        except XidRecordError as e:
+            r.notes.append(Finding(None, "xid_record", "fail", f"the XID record cannot be trusted: {e}; XIDs seen "
+                                   "earlier in this boot may be hidden: check it, then move it away"))
+            record_dir = None
+        except OSError as e:
+            r.notes.append(Finding(None, "xid", "warn", f"the XID record in {record_dir} cannot be read: {e}"))
+            record_dir = None
+        if seen:
+            r.sources.append("record")
+    keys = {(x.pci_bus_id, x.xid) for x in seen}
+    new = [x for x in found if (x.pci_bus_id, x.xid) not in keys]
+    if record_dir and boot and write and new:
+        try:
+            save_seen(record_dir, boot, seen + new)
+            r.recorded = True
+        except (OSError, XidRecordError) as e:
+            r.notes.append(Finding(None, "xid", "warn", f"the XIDs seen could not be recorded in {record_dir}: {e}"))
+    if r.sources:
+        r.xids = seen + found
+    return r
 
 
 def judge(gpus: list[GpuHealth], xids: list[Xid] | None, policy: Policy) -> list[Finding]:
@@ -220,7 +246,7 @@ def judge(gpus: list[GpuHealth], xids: list[Xid] | None, policy: Policy) -> list
         warn(None, "xid", "the kernel log could not be read: XIDs not checked")
         return findings
     by_bus = {g.pci_bus_id: g.index for g in gpus}
-    for x in xids:
+    for x in unique(xids):
         if x.xid in policy.bad_xids:
             gpu = by_bus.get(x.pci_bus_id)
             fail(gpu, "xid", f"GPU {gpu if gpu is not None else x.pci_bus_id}: XID {x.xid} since boot: {x.line}")
@@ -232,10 +258,11 @@ def passed(findings: list[Finding]) -> bool:
 
 
 def report(gpus: list[GpuHealth], xids: list[Xid] | None, findings: list[Finding]) -> dict:
-    """Readings and verdict as plain data (the module's result, the report's section)."""
+    """Readings and verdict as plain data (the module's result, the report's section); each XID once
+    per GPU and number."""
     return {
         "passed": passed(findings),
         "gpus": [asdict(g) for g in gpus],
-        "xids": None if xids is None else [{"pci_bus_id": x.pci_bus_id, "xid": x.xid, "line": x.line} for x in xids],
+        "xids": None if xids is None else [asdict(x) for x in unique(xids)],
         "findings": [asdict(f) for f in findings],
     }

@@ -14,12 +14,16 @@ Contract:
   use a fake).
 - `devices()` and `gpu_result()` turn a reading into the module's RV(devices) and its result keys
   (MiB = MIB bytes, rounded down); `driver_present()` tells "no driver" from "nvidia-ml-py missing".
+- `kernel_driver()` names the sign that the NVIDIA kernel driver is loaded (its /proc or /sys entry, a
+  /dev/nvidiaN node) or None, and `driver_gpu_buses()` the PCI addresses of the GPUs it drives; both
+  take the root to look under (tests fake a node's /proc, /sys and /dev below a temp directory).
 """
 
 from __future__ import annotations
 
 import ctypes.util
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,9 +94,42 @@ class PynvmlBackend:
             pass
 
 
-def driver_present() -> bool:
-    """An NVIDIA driver is installed here (so a missing nvidia-ml-py is an error, not 'no GPU')."""
-    return os.path.exists("/proc/driver/nvidia/version") or bool(ctypes.util.find_library("nvidia-ml"))
+_PCI_ADDRESS = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+
+
+def kernel_driver(root: str = "/") -> str | None:
+    """Where the NVIDIA kernel driver shows it is loaded under `root` (/proc/driver/nvidia,
+    /sys/module/nvidia, or a /dev/nvidiaN device node), or None: then NVML failing to start means
+    "no GPU here", not a broken driver. Only looks (lstat, listdir); never follows into anything."""
+    for rel in ("proc/driver/nvidia", "sys/module/nvidia"):
+        if os.path.isdir(os.path.join(root, rel)):
+            return "/" + rel
+    try:
+        names = os.listdir(os.path.join(root, "dev"))
+    except OSError:
+        return None
+    nodes = sorted(n for n in names if re.fullmatch(r"nvidia[0-9]+", n))
+    return f"/dev/{nodes[0]}" if nodes else None
+
+
+def driver_gpu_buses(root: str = "/") -> set[str]:
+    """The PCI addresses (``0000:18:00.0``, lower case) of the GPUs the NVIDIA driver has bound,
+    from /proc/driver/nvidia/gpus/ and /sys/bus/pci/drivers/nvidia/: those stay listed when NVML no
+    longer lists a GPU (one that fell off the bus). Names that are not PCI addresses are skipped."""
+    found: set[str] = set()
+    for rel in ("proc/driver/nvidia/gpus", "sys/bus/pci/drivers/nvidia"):
+        try:
+            names = os.listdir(os.path.join(root, rel))
+        except OSError:
+            continue
+        found.update(n.lower() for n in names if _PCI_ADDRESS.fullmatch(n.lower()))
+    return found
+
+
+def driver_present(root: str = "/") -> bool:
+    """An NVIDIA driver is installed here (so a missing nvidia-ml-py is an error, not 'no GPU'):
+    its kernel module is loaded, or libnvidia-ml is installed."""
+    return kernel_driver(root) is not None or bool(ctypes.util.find_library("nvidia-ml"))
 
 
 def devices(gpus: list[Gpu]) -> list[dict]:

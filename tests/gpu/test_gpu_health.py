@@ -7,22 +7,25 @@ Run on the GPU machine (nvidia-ml-py; Ansible is not needed):
 
 What it checks on a healthy GPU: every GPU is read (name, UUID, PCI address); the readings a data
 centre GPU must report are known (ECC mode, the volatile uncorrectable count, the PCIe width and its
-maximum); the kernel log is read where the machine lets root read it; and the gate's verdict
-(hsx.gpu_health.judge with the default policy) is a pass. The readings go to stdout as JSON, for
-docs/benchmarks.md.
+maximum); the NVIDIA kernel driver is seen where it is loaded (hsx.nvml.kernel_driver) and lists the
+same GPUs as NVML (driver_gpu_buses); the kernel log is read where the machine lets root read it, the
+driver's own records in it have the kernel's facility (0); and the gate's verdict (hsx.gpu_health.judge
+with the default policy) is a pass. No XID record is written (record_dir None). The readings go to
+stdout as JSON, for docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "module_utils"))
-from hsx import gpu_health  # noqa: E402
-from hsx.nvml import NvmlUnavailable, PynvmlBackend  # noqa: E402
+from hsx import gpu_health, xidlog  # noqa: E402
+from hsx.nvml import NvmlUnavailable, PynvmlBackend, driver_gpu_buses, kernel_driver  # noqa: E402
 
 
 def reading() -> dict:
@@ -34,12 +37,18 @@ def reading() -> dict:
         driver = pynvml.nvmlSystemGetDriverVersion()
     finally:
         backend.close()
-    lines = gpu_health.kernel_log()
-    xids = None if lines is None else gpu_health.read_xids(lines)
-    findings = gpu_health.judge(gpus, xids, gpu_health.Policy(expected_gpus=len(gpus)))
-    out = gpu_health.report(gpus, xids, findings)
+    buses = {g.pci_bus_id for g in gpus} | driver_gpu_buses()
+    reading = gpu_health.read_xids(buses, journalctl=shutil.which("journalctl"), record_dir=None)
+    findings = gpu_health.judge(gpus, reading.xids, gpu_health.Policy(expected_gpus=len(gpus))) + reading.notes
+    out = gpu_health.report(gpus, reading.xids, findings)
     out["driver"] = driver if isinstance(driver, str) else driver.decode()
-    out["kernel_log_lines"] = None if lines is None else len(lines)
+    out["kernel_driver"] = kernel_driver()
+    out["driver_gpu_buses"] = sorted(driver_gpu_buses())
+    out["xid_sources"] = reading.sources
+    records = xidlog.kernel_records()
+    out["kernel_log_records"] = None if records is None else len(records)
+    out["nvrm_record_facilities"] = None if records is None else sorted(
+        {r.facility for r in records if r.text.startswith("NVRM: ")})
     return out
 
 
@@ -59,6 +68,10 @@ def test_healthy_gpu_passes_the_gate():
         if g["ecc_enabled"]:
             assert g["ecc_uncorrectable_volatile"] is not None, g
         assert g["pcie_width"] and g["pcie_width_max"], f"PCIe width not reported: {g}"
+    assert out["kernel_driver"] is not None, "NVML works but no sign of the NVIDIA kernel driver was found"
+    assert {xidlog.bus(b) for b in out["driver_gpu_buses"]} == {g["pci_bus_id"] for g in out["gpus"]}, out
+    if out["kernel_log_records"] is not None:
+        assert out["nvrm_record_facilities"] in ([], [0]), out["nvrm_record_facilities"]
     assert out["passed"], out["findings"]
 
 

@@ -1,7 +1,8 @@
 """The GPU health gate (module_utils/hsx/gpu_health.py) against a recorded NVML.
 
 FakeNvml answers as nvidia-ml-py does on a Hopper GPU (no page retirement: NotSupported), with the
-readings a test sets; the kernel log is lines as /dev/kmsg gives them (after the record header).
+readings a test sets; the kernel log is records as /dev/kmsg gives them (header, then text). The
+XID sources and their forgeries: test_gpu_health_xid.py; DCGM's diagnostic: test_gpu_health_dcgm.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from ansible.module_utils.testing import patch_module_args
 from ansible_modules import load_module
 
 from hsx import gpu_health as gh
+from hsx import xidlog
 
 module = load_module("gpu_health")
 
@@ -76,7 +78,8 @@ class FakeNvml:
 
 def verdict(gpus: list[dict], log: list[str] | None = (), **policy) -> tuple[bool, list[gh.Finding]]:
     readings = gh.read_health(FakeNvml(gpus))
-    xids = None if log is None else gh.read_xids(list(log))
+    records = xidlog.parse_kmsg("\n".join(log or ()).encode())
+    xids = None if log is None else xidlog.match_xids(records, {g.pci_bus_id for g in readings}).xids
     findings = gh.judge(readings, xids, gh.Policy(**policy))
     return gh.passed(findings), findings
 
@@ -139,10 +142,11 @@ def test_ecc_disabled_is_a_warning():
     assert ok and checks(findings, "warn") == [(0, "ecc")]
 
 
+# As /dev/kmsg gives them (facility 0, level 3/4: the kernel's; the first as recorded on the lent H100).
 LOG = [
-    "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  580.159.04",
-    "NVRM: Xid (PCI:0000:2a:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x404600",
-    "NVRM: Xid (PCI:0000:18:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+    "3,354,461185,-;NVRM: loading NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (nixbld@)",
+    "4,900,7001234,c;NVRM: Xid (PCI:0000:2a:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x404600",
+    "4,901,7002345,c;NVRM: Xid (PCI:0000:18:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
 ]
 
 
@@ -158,16 +162,18 @@ def test_an_unreadable_kernel_log_is_a_warning_not_a_pass_of_the_xid_check():
     assert ok and checks(findings, "warn") == [(None, "xid")]
 
 
-def test_kernel_log_reads_records_without_blocking_and_follows_no_link(tmp_path):
+def test_kernel_records_read_without_blocking_and_follow_no_link(tmp_path):
     fifo = tmp_path / "kmsg"
     os.mkfifo(fifo)
-    assert gh.kernel_log(str(fifo)) == []  # non-blocking: an empty FIFO is the end, not a hang
+    assert xidlog.kernel_records(str(fifo)) == []  # non-blocking: an empty FIFO is the end, not a hang
     target = tmp_path / "t"
-    target.write_text("6,1,2,-;NVRM: Xid (PCI:0000:18:00): 48, DBE\n")
+    target.write_text("6,1,2,-;NVRM: Xid (PCI:0000:18:00): 48, DBE\n SUBSYSTEM=pci\n DEVICE=+pci:0000:18:00.0\n")
     link = tmp_path / "link"
     link.symlink_to(target)
-    assert gh.kernel_log(str(link)) is None
-    assert gh.read_xids(gh.kernel_log(str(target)))[0].xid == 48
+    assert xidlog.kernel_records(str(link)) is None
+    records = xidlog.kernel_records(str(target))
+    assert records == [xidlog.Record(0, 6, 1, "NVRM: Xid (PCI:0000:18:00): 48, DBE")]  # dictionary lines skipped
+    assert xidlog.match_xids(records, {"0000:18:00.0"}).xids[0].xid == 48
 
 
 def test_report_is_plain_data():
@@ -178,53 +184,94 @@ def test_report_is_plain_data():
 
 @pytest.mark.parametrize("bus", ["00000000:18:00.0", "0000:18:00", "00000000:18:00"])
 def test_bus_ids_of_nvml_and_the_kernel_log_compare(bus):
-    assert gh._bus(bus) == "0000:18:00"
+    assert xidlog.bus(bus) == "0000:18:00"
 
 
 # ---------------------------------------------------------------- the Ansible module
-def run_module(capsys, monkeypatch, gpus, log=(), **args) -> dict:
-    fake = FakeNvml(gpus)
-    fake.nvmlInit = fake.nvmlShutdown = lambda: None
+def node(tmp_path, monkeypatch, log=(), driver: bool = False) -> None:
+    """The module's view of a made-up node: its ring buffer (None: unreadable) and its /proc, /sys
+    and /dev (with a /dev/nvidia0 node, the NVIDIA driver's sign, when `driver`)."""
+    kmsg = tmp_path / "kmsg"
+    if log is not None:
+        kmsg.write_text("".join(line + "\n" for line in log))
+    root = tmp_path / "root"
+    (root / "dev").mkdir(parents=True, exist_ok=True)
+    if driver:
+        (root / "dev" / "nvidia0").write_text("")
+    monkeypatch.setattr(module, "KMSG", str(kmsg if log is not None else tmp_path / "unreadable"))
+    monkeypatch.setattr(module, "ROOT", str(root))
+
+
+def run_module(capsys, monkeypatch, tmp_path, gpus, log=(), nvml=None, driver=False, **args) -> dict:
+    """One run of the module on a made-up node (no journal, no XID record, no DCGM unless asked)."""
+    fake = nvml or FakeNvml(gpus)
+    if nvml is None:
+        fake.nvmlInit = fake.nvmlShutdown = lambda: None
     monkeypatch.setattr(module, "pynvml", fake)
-    monkeypatch.setattr(module.gpu_health, "kernel_log", lambda: None if log is None else list(log))
+    node(tmp_path, monkeypatch, log, driver)
+    args = {"journal": False, "xid_record_dir": "", "dcgm_diag": "off", **args}
     with patch_module_args(args), pytest.raises(SystemExit):
         module.main()
     return json.loads(capsys.readouterr().out)
 
 
-def test_module_passes_healthy_gpus_in_check_mode_too(capsys, monkeypatch):
+def test_module_passes_healthy_gpus_in_check_mode_too(capsys, monkeypatch, tmp_path):
     for check in (False, True):
-        out = run_module(capsys, monkeypatch, HEALTHY, expected_gpus=2, _ansible_check_mode=check)
+        out = run_module(capsys, monkeypatch, tmp_path, HEALTHY, expected_gpus=2, _ansible_check_mode=check)
         assert out["passed"] and not out.get("failed") and out["changed"] is False
         assert out["msg"] == "2 GPUs healthy" and len(out["gpus"]) == 2 and out["xids"] == []
+        assert out["xid_sources"] == ["kmsg"] and out["dcgm"]["state"] == "off"
 
 
-def test_module_fails_the_host_with_every_finding(capsys, monkeypatch):
+def test_module_fails_the_host_with_every_finding(capsys, monkeypatch, tmp_path):
     bad = {"bus": "2a", ("ecc", 1, 0): 1}
-    out = run_module(capsys, monkeypatch, [HEALTHY[0], bad], LOG, expected_gpus=3)
+    out = run_module(capsys, monkeypatch, tmp_path, [HEALTHY[0], bad], LOG, expected_gpus=3)
     assert out["failed"] and out["passed"] is False
-    assert [(f["gpu"], f["check"]) for f in out["findings"]] == [(None, "count"), (1, "ecc"), (0, "xid")]
+    fails = [(f["gpu"], f["check"]) for f in out["findings"] if f["severity"] == "fail"]
+    assert fails == [(None, "count"), (1, "ecc"), (0, "xid")]
     assert out["msg"].startswith("GPU health gate failed: 2 GPUs present, 3 expected; GPU 1: 1 uncorrectable")
 
 
-def test_module_settings_change_the_verdict(capsys, monkeypatch):
-    out = run_module(capsys, monkeypatch, HEALTHY, LOG, bad_xids=[48])
+def test_module_settings_change_the_verdict(capsys, monkeypatch, tmp_path):
+    out = run_module(capsys, monkeypatch, tmp_path, HEALTHY, LOG, bad_xids=[48])
     assert out["passed"] and out["xids"][0]["xid"] == 13
-    out = run_module(capsys, monkeypatch, HEALTHY, None)
-    assert out["passed"] and "XIDs not checked" in out["msg"]
+    out = run_module(capsys, monkeypatch, tmp_path, HEALTHY, None)
+    assert out["passed"] and "XIDs not checked" in out["msg"] and out["xid_sources"] == []
 
 
-def test_module_without_nvml_passes_a_cpu_host_unless_gpus_are_required(capsys, monkeypatch):
-    class NoDriver(FakeNvml):
-        def nvmlInit(self):
-            raise NVMLError("Driver Not Loaded")
+class Unstartable(FakeNvml):
+    """nvmlInit fails as pynvml's does: NVMLError_DriverNotLoaded, NVMLError_LibRmVersionMismatch."""
 
-    monkeypatch.setattr(module, "pynvml", NoDriver([]))
-    with patch_module_args({}), pytest.raises(SystemExit):
-        module.main()
-    out = json.loads(capsys.readouterr().out)
+    def __init__(self, error: str):
+        super().__init__([])
+        self.error = error
+
+    def nvmlInit(self):
+        raise NVMLError(self.error)
+
+
+def test_module_without_nvml_passes_a_cpu_host_unless_gpus_are_required(capsys, monkeypatch, tmp_path):
+    out = run_module(capsys, monkeypatch, tmp_path, [], nvml=Unstartable("Driver Not Loaded"))
     assert out["passed"] and out["gpus"] == [] and "NVML could not start" in out["msg"]
-    with patch_module_args({"expected_gpus": 8}), pytest.raises(SystemExit):
-        module.main()
-    out = json.loads(capsys.readouterr().out)
+    assert out["dcgm"]["state"] == "skipped"
+    out = run_module(capsys, monkeypatch, tmp_path, [], nvml=Unstartable("Driver Not Loaded"), expected_gpus=8)
     assert out["failed"] and out["msg"].startswith("GPU health: NVML could not start")
+
+
+@pytest.mark.parametrize("sign", ["proc/driver/nvidia", "sys/module/nvidia", "dev/nvidia3"])
+def test_nvml_failing_where_the_driver_is_loaded_fails_with_nvml_error(capsys, monkeypatch, tmp_path, sign):
+    """Issue #51: a GPU node whose NVML cannot start (driver/library version mismatch) passed as
+    'no GPU'. Where the kernel driver shows (its /proc or /sys entry, a /dev/nvidiaN node) it fails."""
+    mismatch = Unstartable("RM has detected an NVML/RM version mismatch.")
+    root = tmp_path / "root"
+    (root / sign).parent.mkdir(parents=True, exist_ok=True)
+    (root / sign).mkdir() if not sign.startswith("dev/") else (root / sign).write_text("")
+    out = run_module(capsys, monkeypatch, tmp_path, [], nvml=mismatch)
+    assert out["failed"] and out["passed"] is False
+    assert f"the NVIDIA driver is loaded (/{sign})" in out["msg"] and "NVRM version mismatch" not in out["msg"]
+    assert "RM has detected an NVML/RM version mismatch" in out["msg"]
+    # /dev/nvidiactl alone, or nvidia-uvm, is no GPU device node: that node passes as a CPU host
+    (root / sign).rmdir() if not sign.startswith("dev/") else (root / sign).unlink()
+    (root / "dev" / "nvidiactl").write_text("")
+    out = run_module(capsys, monkeypatch, tmp_path, [], nvml=mismatch)
+    assert out["passed"] and not out.get("failed") and out["msg"].startswith("no GPU: NVML could not start")

@@ -3,7 +3,9 @@ point provision.yml imports; recover.yml runs the same health.yml): real ansible
 machine, the module reading the TEST-ONLY recorded NVML (tests/fakes/nvml/pynvml.py, NOT NVML: there
 is no GPU here) put first on the module's PYTHONPATH. A healthy recorded H100 passes and changes
 nothing, in check mode too; one uncorrectable ECC error stops the host with the finding; a host
-without a driver passes unless GPUs are required."""
+without a driver passes unless GPUs are required; DCGM's diagnostic (the TEST-ONLY recorded `dcgmi`,
+tests/fakes/dcgm/dcgmi, NOT DCGM) runs at the level the role's settings give and a failing one stops
+the host naming the test; without dcgmi the result says it is absent."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 FAKE = REPO / "tests" / "fakes" / "nvml"
+DCGMI = REPO / "tests" / "fakes" / "dcgm" / "dcgmi"
 
 PLAY = """
 - hosts: localhost
@@ -73,3 +76,21 @@ def test_a_missing_gpu_stops_the_host_and_no_driver_passes_unless_gpus_are_requi
     assert run.returncode == 0 and result(run)["passed"] is True, run.stdout[-3000:]
     run = play(tmp_path, None, "-e", "gpu_reclaim_require_gpus=true", HSX_FAKE_NVML_NO_DRIVER="1")
     assert run.returncode == 2 and "GPU health: NVML could not start" in run.stdout, run.stdout[-3000:]
+
+
+def test_dcgm_diag_runs_at_the_roles_level_and_a_failing_one_stops_the_host(tmp_path):
+    calls = tmp_path / "dcgmi.calls"
+    run = play(tmp_path, None, "-e", f"gpu_reclaim_dcgmi_path={DCGMI}", "-e", "gpu_reclaim_dcgm_diag_level=2",
+               HSX_FAKE_DCGMI_LOG=str(calls))
+    assert run.returncode == 0 and "changed=0" in run.stdout, run.stdout[-3000:]
+    got = result(run)
+    assert got["dcgm"]["state"] == "passed" and got["dcgm"]["level"] == 2 and calls.read_text() == "diag -r 2 -j\n"
+    run = play(tmp_path, None, "-e", f"gpu_reclaim_dcgmi_path={DCGMI}", HSX_FAKE_DCGMI="fail")
+    assert run.returncode == 2, run.stdout[-3000:]
+    assert "dcgmi diag -r 1 failed: software (GPU0: Fail): GPU 0 had memory errors" in run.stdout
+    # no dcgmi on the PATH: absent, said, not a failure; off: not run
+    run = play(tmp_path, None)
+    assert run.returncode == 0 and result(run)["dcgm"]["state"] == "absent", run.stdout[-3000:]
+    run = play(tmp_path, None, "-e", f"gpu_reclaim_dcgmi_path={DCGMI}", "-e", "gpu_reclaim_dcgm_diag=off",
+               HSX_FAKE_DCGMI="fail")
+    assert run.returncode == 0 and result(run)["dcgm"]["state"] == "off", run.stdout[-3000:]
