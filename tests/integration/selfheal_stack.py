@@ -22,6 +22,7 @@ from test_monitoring import SCRAPE_PARAMS, Prometheus, free_port
 BIN = Path(sys.executable).parent
 FILES = REPO / "roles" / "monitoring" / "files"
 RULEBOOK = REPO / "extensions" / "eda" / "rulebooks" / "selfheal.yml"
+SOURCES = REPO / "extensions" / "eda" / "plugins" / "event_source"
 
 # The lab's timings (the production ones are in the shipped files; README, "Self-healing").
 SCRAPE_S = 1
@@ -31,6 +32,7 @@ MAX_FAILURES = 2  # failed automatic recoveries before a person is asked (produc
 GROUP_WAIT_S = 1  # Alertmanager (production 10s)
 REPEAT_S = 5  # Alertmanager re-posts a firing alert (production 15m)
 WINDOW_S = 45  # the rulebook's once_within per host (production 15 minutes)
+SETTLE_S = 2  # hsx selfheal remedy waits this long for other nodes' alerts (production 60 s)
 
 RULE_EDITS = [
     ("(time() - hsx_last_progress_timestamp_seconds) > 300", f"(time() - hsx_last_progress_timestamp_seconds) > {STALL_S}"),
@@ -75,12 +77,13 @@ def _start(stack: Stack, name: str, argv: list[str], env: dict[str, str] | None 
 
 
 def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Path,
-          node_down_for_s: int | None = None) -> Stack:
+          node_down_for_s: int | None = None, brakes: dict | None = None) -> Stack:
     """Prometheus scraping `targets` ({inventory name: address}; the name as the target label hsx_host),
     Alertmanager routing to the rulebook, and the rulebook, whose remedies read `inventory` (its
     sources: the lab's dynamic one first) and write their reports in `report_dir`. The node-down
     alert's `for:` (the takeover's window, production 10 minutes) is shortened only when
-    `node_down_for_s` is given: a lab host's power cycle must not be taken for a dead node."""
+    `node_down_for_s` is given: a lab host's power cycle must not be taken for a dead node. `brakes`: the
+    rulebook's hsx_selfheal_breaker_* / _flap_* settings where a test needs others than the defaults."""
     am_port, prom_port, hook_port = free_port(), free_port(), free_port()
     rule_edits = RULE_EDITS + ([("for: 10m", f"for: {node_down_for_s}s")] if node_down_for_s else [])
     (d / "hsx-selfheal.rules.yml").write_text(
@@ -101,7 +104,10 @@ def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Pa
     (d / "selfheal-vars.yml").write_text(yaml.safe_dump({"hsx_selfheal_port": hook_port,
                                                          "hsx_selfheal_report_dir": str(report_dir),
                                                          "hsx_selfheal_inventory": ":".join(inventory),
-                                                         "hsx_selfheal_max_failures": MAX_FAILURES}))
+                                                         "hsx_selfheal_max_failures": MAX_FAILURES,
+                                                         "hsx_selfheal_settle": SETTLE_S,
+                                                         "hsx_selfheal_state_dir": str(d / "selfheal-state"),
+                                                         "hsx_selfheal_textfile_dir": str(d), **(brakes or {})}))
     # The rulebook's inventory (it copies it, and reads only the host names from it): a static list.
     (d / "rulebook-inventory.yml").write_text(yaml.safe_dump(
         {"all": {"children": {"extraction_nodes": {"hosts": {name: None for name in targets}}}}}))
@@ -113,7 +119,7 @@ def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Pa
                ANSIBLE_INVENTORY=str(d / "rulebook-inventory.yml"), PATH=f"{BIN}:{os.environ['PATH']}",
                ANSIBLE_FORCE_COLOR="0", ANSIBLE_NOCOLOR="1")
     stack.rulebook_log = _start(stack, "rulebook", [str(BIN / "ansible-rulebook"), "-r", str(d / "selfheal.yml"),
-                                                    "-E", "HSX_PROJECT_DIR,ANSIBLE_INVENTORY", "--vars", str(d / "selfheal-vars.yml")],
+                                                    "-S", str(SOURCES), "-E", "HSX_PROJECT_DIR,ANSIBLE_INVENTORY", "--vars", str(d / "selfheal-vars.yml")],
                                 env=env)
     # Prometheus evaluates alerts every second, and resends a firing one that often, so that
     # Alertmanager never times it out between evaluations.

@@ -69,7 +69,10 @@ def stack(tmp_path_factory):
                         "echo HSX_FAKE_NVML=/etc/hsx-fake-nvml.json >> /etc/environment")
         mod = _lab_module()
         targets = {h: mod.load_host(h).address for h in (HEALED, BROKEN)}
-        running = sh.start(d, targets, inventory, d / "reports")
+        # Two independent incidents at once on a fleet of two would open the circuit breaker (more than 25%
+        # and at least 2 nodes: a correlated failure, test_selfheal_rulebook.py); here each host is its own
+        # case, so the breaker needs 3 nodes.
+        running = sh.start(d, targets, inventory, d / "reports", brakes={"hsx_selfheal_breaker_min_nodes": 3})
         p = running.prometheus
         for h in (HEALED, BROKEN):
             wait_for(lambda h=h: p.value(f'hsx_state{{hsx_host="{h}",state="running"}}') == 1, 180,

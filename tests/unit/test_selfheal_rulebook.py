@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -48,19 +49,46 @@ def alert(status: str, host: str | None, remedy: str | None, name: str = "HsxSel
             "endsAt": "0001-01-01T00:00:00Z", "fingerprint": f"{name}{host}"}
 
 
-def post(port: int, *alerts: dict) -> None:
-    """One notification as Alertmanager's webhook receiver sends it (version 4)."""
+def post(port: int, *alerts: dict, token: str | None = None) -> int:
+    """One notification as Alertmanager's webhook receiver sends it (version 4); the HTTP status."""
     body = {"version": "4", "status": alerts[0]["status"], "receiver": "hsx-selfheal", "alerts": list(alerts),
             "groupLabels": {}, "commonLabels": {}, "commonAnnotations": {}, "externalURL": "http://am", "groupKey": "k"}
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/alerts", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with opener.open(req, timeout=10) as r:
-        assert r.status == 200
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/alerts", data=json.dumps(body).encode(), headers=headers)
+    try:
+        with opener.open(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
-@pytest.fixture
-def rulebook(tmp_path: Path):
+RECORDER_SLOW = """
+- name: Stand-in remedy ({what}), writing down when it ran
+  hosts: {hosts}
+  connection: local
+  gather_facts: false
+  tasks:
+    - name: Record the start, take a while, record the end
+      ansible.builtin.shell: "echo \\"start {what} $(date +%s.%N)\\" >> {times}; sleep 3; echo \\"end {what} $(date +%s.%N)\\" >> {times}; echo '{what} {{{{ {who} }}}} {{{{ hsx_selfheal }}}} {{{{ hsx_report_dir }}}}' >> {record}"
+      changed_when: true
+      run_once: true
+"""
+SOURCES = REPO / "extensions" / "eda" / "plugins" / "event_source"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_rulebook(tmp_path: Path, hosts: list[str], rulebook_vars: dict, *, slow: bool = False,
+                   window: str | None = None) -> tuple[subprocess.Popen, Path]:
+    """The real rulebook (optionally with a shorter throttle window) whose remedies are stand-ins in a
+    temporary checkout; the real wrapper, `hsx selfheal remedy` and playbooks/selfheal_verify.yml.
+    `hosts`: the extraction nodes, on local connections, but for names ending in "-down": SSH to a
+    closed port of this machine (they do not answer)."""
     if not shutil.which("java") and not os.environ.get("JAVA_HOME"):
         pytest.skip("no Java runtime (make lab-ensure installs openjdk-17-jre-headless)")
     project, record = tmp_path / "checkout", tmp_path / "record.txt"
@@ -68,36 +96,67 @@ def rulebook(tmp_path: Path):
     (project / "playbooks").mkdir()
     shutil.copy(REPO / "extensions" / "eda" / "playbooks" / "selfheal_remedy.yml",
                 project / "extensions" / "eda" / "playbooks")
-    (project / "recover.yml").write_text(RECORDER.format(what="recover", hosts="all", who="ansible_limit", record=record))
+    shutil.copy(REPO / "playbooks" / "selfheal_verify.yml", project / "playbooks")
+    recorder = RECORDER_SLOW if slow else RECORDER
+    times = tmp_path / "times.txt"
+    (project / "recover.yml").write_text(recorder.format(what="recover", hosts="all", who="ansible_limit", record=record,
+                                                         times=times))
     (project / "playbooks" / "takeover.yml").write_text(
-        RECORDER.format(what="takeover", hosts="localhost", who="hsx_takeover_host", record=record))
-    (project / "ansible.cfg").write_text("[defaults]\n")
-    (tmp_path / "hosts.ini").write_text(f"[extraction_nodes]\nnode-1\nnode-2\n[all:vars]\nansible_python_interpreter={sys.executable}\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        recorder.format(what="takeover", hosts="localhost", who="hsx_takeover_host", record=record, times=times))
+    (project / "ansible.cfg").write_text(f"[defaults]\nroles_path = {REPO / 'roles'}\nlibrary = {REPO / 'library'}\n"
+                                         f"module_utils = {REPO / 'module_utils'}\nfilter_plugins = {REPO / 'filter_plugins'}\n"
+                                         "timeout = 5\n")
+    closed = free_port()
+    lines = ["[extraction_nodes]"] + [
+        f"{h} ansible_connection=ssh ansible_host=127.0.0.1 ansible_port={closed}" if h.endswith("-down")
+        else f"{h} ansible_connection=local" for h in hosts]
+    (tmp_path / "hosts.ini").write_text("\n".join(lines) + f"\n[all:vars]\nansible_python_interpreter={sys.executable}\n"
+                                        f"hsx_become=false\nhsx_output_dir={tmp_path / 'output'}\n")
+    port = free_port()
     env = dict(os.environ, HSX_PROJECT_DIR=str(project), ANSIBLE_INVENTORY=str(tmp_path / "hosts.ini"),
                PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_LOCALHOST_WARNING="0")
-    (tmp_path / "vars.yml").write_text(f"hsx_selfheal_port: {port}\n")
+    (tmp_path / "vars.yml").write_text(json.dumps({"hsx_selfheal_port": port, "hsx_selfheal_settle": 0,
+                                                   "hsx_selfheal_state_dir": str(tmp_path / "state"),
+                                                   "hsx_selfheal_textfile_dir": str(tmp_path), **rulebook_vars}))
+    book = RULEBOOK.read_text()
+    if window:
+        assert "once_within: 15 minutes" in book
+        book = book.replace("once_within: 15 minutes", f"once_within: {window}")
+    (tmp_path / "selfheal.yml").write_text(book)
     log = open(tmp_path / "rulebook.log", "wb")  # noqa: SIM115 - the process's, closed with it
-    proc = subprocess.Popen([str(BIN / "ansible-rulebook"), "-r", str(RULEBOOK), "-E", "HSX_PROJECT_DIR,ANSIBLE_INVENTORY",
-                             "--vars", str(tmp_path / "vars.yml")], cwd=tmp_path, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                assert proc.poll() is None, (tmp_path / "rulebook.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "the rulebook's webhook did not open in 90 s"
-                time.sleep(0.5)
-        yield port, record, tmp_path / "rulebook.log"
-    finally:
+    proc = subprocess.Popen([str(BIN / "ansible-rulebook"), "-r", str(tmp_path / "selfheal.yml"), "-S", str(SOURCES),
+                             "-E", "HSX_PROJECT_DIR,ANSIBLE_INVENTORY", "--vars", str(tmp_path / "vars.yml")],
+                            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_file = log  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if proc.poll() is not None:
+                return proc, record
+            assert time.monotonic() < deadline, "the rulebook's webhook did not open in 90 s"
+            time.sleep(0.5)
+    proc.port = port  # type: ignore[attr-defined]
+    return proc, record
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
         proc.terminate()
         proc.wait(timeout=30)
-        log.close()
+    proc.log_file.close()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def rulebook(tmp_path: Path):
+    # The remedies this test asks for at once (3 hosts of 3) are not taken for a storm: test_breaker_* is.
+    proc, record = start_rulebook(tmp_path, ["node-1", "node-2-down", "node-3"], {"hsx_selfheal_breaker_min_nodes": 4})
+    try:
+        yield proc.port, record, tmp_path / "rulebook.log"  # type: ignore[attr-defined]
+    finally:
+        stop(proc)
 
 
 def wait_lines(record: Path, n: int, timeout: float = 60) -> list[str]:
@@ -117,19 +176,103 @@ def test_each_remedy_runs_on_the_alerts_host_only_once_per_window(rulebook) -> N
     post(port, alert("resolved", "node-1", "recover"))
     post(port, alert("firing", None, "recover"))
     post(port, alert("firing", "node-1", None, name="HsxSelfHealGaveUp"))
-    # Not acted on: a "host" that is a pattern, or a group of the inventory.
+    # Not acted on: a "host" that is a pattern, a group, a name with a trailing newline, a host outside
+    # extraction_nodes; a takeover of a node that answers (its claim does not hold).
     post(port, alert("firing", "node-*", "recover"))
     post(port, alert("firing", "extraction_nodes", "takeover", "HsxSelfHealNodeDown"))
+    post(port, alert("firing", "all", "recover"))
+    post(port, alert("firing", "localhost", "recover"))
+    post(port, alert("firing", "node-3\n", "recover"))
+    post(port, alert("firing", "node-9", "recover"))
+    post(port, alert("firing", "node-3", "takeover", "HsxSelfHealNodeDown"))
     # Acted on: one notification of two alerts, split into two events.
-    post(port, alert("firing", "node-1", "recover"), alert("firing", "node-2", "takeover", "HsxSelfHealNodeDown"))
-    lines = wait_lines(record, 2)
+    post(port, alert("firing", "node-1", "recover"), alert("firing", "node-2-down", "takeover", "HsxSelfHealNodeDown"))
+    lines = wait_lines(record, 2, timeout=240)  # the takeovers run one at a time, each verified first
     # Within the window: the same remedy for the same host again is ignored.
     post(port, alert("firing", "node-1", "recover"))
-    post(port, alert("firing", "node-2", "takeover", "HsxSelfHealNodeDown"))
+    post(port, alert("firing", "node-2-down", "takeover", "HsxSelfHealNodeDown"))
     time.sleep(8)
     lines = record.read_text().splitlines()
-    assert sorted(lines) == [f"recover node-1 True {project}/reports", f"takeover node-2 True {project}/reports"], \
+    assert sorted(lines) == [f"recover node-1 True {project}/reports", f"takeover node-2-down True {project}/reports"], \
         log.read_text()[-4000:]
+    state = json.loads((record.parent / "state" / "ledger.json").read_text())
+    findings = {(r["host"], r["remedy"]): r.get("finding", "") for r in state["requests"]}
+    assert findings[("node-3", "takeover")].startswith("not-confirmed: node-3 answers over SSH"), findings
+    assert findings[("node-2-down", "takeover")].startswith("unreachable: node-2-down answers neither"), findings
+    assert findings[("node-1", "recover")].startswith("confirmed: node-1's job is not making progress"), findings
+    assert {r["host"] for r in state["requests"]} == {"node-1", "node-2-down", "node-3"}  # node-9 refused before
+    assert 'hsx_selfheal_breaker_open 0' in (record.parent / "hsx-selfheal.prom").read_text()
+
+
+def test_breaker_a_storm_runs_nothing_until_a_person_resumes(tmp_path: Path) -> None:
+    """Every node of a fleet asks at once (shared storage full): no remedy runs, the breaker opens and
+    says why; `hsx selfheal resume` closes it and the same alerts, posted again, are healed once each.
+    A takeover is never run beside another remedy."""
+    hosts = ["node-1", "node-2", "node-3-down"]
+    proc, record = start_rulebook(tmp_path, hosts, {"hsx_selfheal_settle": 4}, slow=True, window="3 seconds")
+    try:
+        port = proc.port  # type: ignore[attr-defined]
+        post(port, *[alert("firing", h, "recover") for h in hosts])
+        state_file = tmp_path / "state" / "ledger.json"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            state = json.loads(state_file.read_text()) if state_file.exists() else {}
+            if len(state.get("outcomes", [])) == 3:
+                break
+            time.sleep(0.5)
+        assert [o["outcome"] for o in state["outcomes"]] == ["held"] * 3, (state, (tmp_path / "rulebook.log").read_text()[-3000:])
+        assert "3 of 3 extraction nodes asked for a remedy" in state["breaker"]["why"]
+        assert not record.exists()
+        prom = (tmp_path / "hsx-selfheal.prom").read_text()
+        assert re.search(r'hsx_selfheal_breaker_open\{cause="unknown",hosts="node-1,node-2,node-3-down",alerts="HsxSelfHealStalled"', prom), prom
+        status = subprocess.run([str(BIN / "hsx"), "selfheal", "status", "--state-dir", str(tmp_path / "state")],
+                                capture_output=True, text=True)
+        assert status.returncode == 1 and "BREAKER OPEN" in status.stdout and "hsx selfheal resume" in status.stdout
+        resume = subprocess.run([str(BIN / "hsx"), "selfheal", "resume", "--state-dir", str(tmp_path / "state")],
+                                capture_output=True, text=True)
+        assert resume.returncode == 0 and "breaker closed" in resume.stdout, resume
+        assert "hsx_selfheal_breaker_open 0" in (tmp_path / "hsx-selfheal.prom").read_text()  # where the loop wrote it
+        # Alertmanager re-posts the still-firing alerts; a takeover asked at the same time waits its turn.
+        post(port, *[alert("firing", h, "recover") for h in hosts[:2]],
+             alert("firing", "node-3-down", "takeover", "HsxSelfHealNodeDown"))
+        lines = wait_lines(record, 3, timeout=120)
+    finally:
+        stop(proc)
+    assert sorted(lines) == [f"recover node-{i} True {tmp_path}/checkout/reports" for i in (1, 2)] + \
+        [f"takeover node-3-down True {tmp_path}/checkout/reports"], lines
+    times = [line.split() for line in (tmp_path / "times.txt").read_text().splitlines()]
+    spans, open_ = [], {}
+    for kind, what, at in times:
+        if kind == "start":
+            open_.setdefault(what, []).append(float(at))
+        else:
+            spans.append((what, open_[what].pop(0), float(at)))
+    (t0, t1), = [(a, b) for w, a, b in spans if w == "takeover"]
+    assert len(spans) == 3 and all(w == "takeover" or b <= t0 or a >= t1 for w, a, b in spans), spans
+
+
+def test_webhook_posts_need_the_token_and_beyond_loopback_one_is_required(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    token.chmod(0o600)
+    proc, record = start_rulebook(tmp_path, ["node-1", "node-2"], {"hsx_selfheal_token_file": str(token)})
+    try:
+        port = proc.port  # type: ignore[attr-defined]
+        assert post(port, alert("firing", "node-1", "recover")) == 401
+        assert post(port, alert("firing", "node-1", "recover"), token="wrong") == 401
+        assert post(port, alert("firing", "node-1", "recover"), token="s3cret-token") == 200
+        assert wait_lines(record, 1) == [f"recover node-1 True {tmp_path}/checkout/reports"]
+    finally:
+        stop(proc)
+    # Listening beyond loopback without a token: the rulebook does not start its webhook.
+    other = tmp_path / "other"
+    other.mkdir()
+    proc, _ = start_rulebook(other, ["node-1"], {"hsx_selfheal_listen": "0.0.0.0"})
+    try:
+        proc.wait(timeout=60)
+    finally:
+        stop(proc)
+    assert "refusing to listen on 0.0.0.0 without authentication" in (other / "rulebook.log").read_text()
 
 
 def _guard(tmp_path: Path, failures: int | None, *extra: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,62 @@
+"""The self-healing loop's own state as Prometheus text (hsx-selfheal.prom), for node_exporter's
+textfile collector on the control node: roles/monitoring/files/hsx-selfheal.rules.yml turns it into the
+alerts that ask a person (HsxSelfHealBreakerOpen, HsxSelfHealHostHeld). Written whole, temp + rename."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+FILENAME = "hsx-selfheal.prom"
+
+
+def _label(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")[:300]
+
+
+def render(state: dict[str, Any], now: float) -> str:
+    b = state.get("breaker")
+    lines = [
+        "# HELP hsx_selfheal_breaker_open 1 while the self-healing circuit breaker holds every automatic remedy "
+        "(a person resumes it: hsx selfheal resume).",
+        "# TYPE hsx_selfheal_breaker_open gauge",
+    ]
+    if b:
+        lines.append(f'hsx_selfheal_breaker_open{{cause="{_label(b.get("cause", "unknown"))}",'
+                     f'hosts="{_label(",".join(b.get("hosts", [])))}",alerts="{_label(",".join(b.get("alerts", [])))}",'
+                     f'why="{_label(b.get("why", ""))}"}} 1')
+    else:
+        lines.append("hsx_selfheal_breaker_open 0")
+    lines += [
+        "# HELP hsx_selfheal_breaker_opened_timestamp_seconds When the open breaker opened (0: closed).",
+        "# TYPE hsx_selfheal_breaker_opened_timestamp_seconds gauge",
+        f"hsx_selfheal_breaker_opened_timestamp_seconds {float(b['opened_at']) if b else 0.0:.3f}",
+        "# HELP hsx_selfheal_host_held 1 for a host self-healing leaves to a person (flapping, or failed in a row).",
+        "# TYPE hsx_selfheal_host_held gauge",
+    ]
+    for host, held in sorted(state.get("held", {}).items()):
+        lines.append(f'hsx_selfheal_host_held{{hsx_host="{_label(host)}",why="{_label(held.get("why", ""))}"}} 1')
+    lines += [
+        "# HELP hsx_selfheal_ledger_timestamp_seconds When the self-healing ledger was last written.",
+        "# TYPE hsx_selfheal_ledger_timestamp_seconds gauge",
+        f"hsx_selfheal_ledger_timestamp_seconds {now:.3f}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write(textfile_dir: str | os.PathLike[str] | None, state: dict[str, Any], now: float) -> None:
+    if not textfile_dir:
+        return
+    # Readable by node_exporter (its own user) from the moment it has the name: the temp is made 0644.
+    directory = Path(textfile_dir)
+    tmp = directory / f".{FILENAME}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.fchmod(fd, 0o644)  # whatever the umask
+        with open(fd, "wb") as f:
+            f.write(render(state, now).encode())
+        os.replace(tmp, directory / FILENAME)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,83 @@
+"""Before self-healing acts, it checks the alert's claim itself (playbooks/selfheal_verify.yml):
+
+- a recovery's claim - the host's job is not making progress - holds when the job's status, read over
+  SSH, says it is not (failed, stale, its process gone); a job that makes progress is left alone;
+- a takeover's claim - the node is down - holds only when neither SSH from the control node nor its
+  node_exporter answers; the other nodes' answers say whether the rest of the fleet is healthy.
+
+So a stale, spurious or forged alert never runs a remedy on a healthy node. The finding's first word
+is its category (hsx.selfheal.policy FINDING_*); a verification that could not run is "unverified",
+and on doubt the loop holds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from extraction.selfheal.policy import (
+    FINDING_CONFIRMED,
+    FINDING_NOT_CONFIRMED,
+    FINDING_STORAGE,
+    FINDING_UNREACHABLE,
+    FINDING_UNVERIFIED,
+)
+
+
+@dataclass(frozen=True)
+class Verification:
+    finding: str  # "<category>: <what was seen>"
+    unanswering: list[str] = field(default_factory=list)  # extraction nodes that did not answer (takeover)
+
+    @property
+    def category(self) -> str:
+        return self.finding.split(":", 1)[0]
+
+
+def judge(result: dict[str, Any]) -> Verification:
+    """The finding of one result of playbooks/selfheal_verify.yml (pure; unit-tested)."""
+    host = result.get("host", "?")
+    if result.get("claim") == "takeover":
+        nodes, answering = result.get("nodes") or [], result.get("answering") or []
+        unanswering = [h for h in nodes if h not in answering]
+        if result.get("answers"):
+            return Verification(f"{FINDING_NOT_CONFIRMED}: {host} answers over SSH", unanswering)
+        if result.get("exporter_up"):
+            return Verification(f"{FINDING_NOT_CONFIRMED}: {host}'s node_exporter answers", unanswering)
+        return Verification(f"{FINDING_UNREACHABLE}: {host} answers neither SSH nor its node_exporter", unanswering)
+    if not result.get("answers"):
+        return Verification(f"{FINDING_UNREACHABLE}: {host} does not answer over SSH")
+    status, storage = result.get("status") or {}, result.get("storage") or {}
+    if storage.get("probed") and not storage.get("writable"):
+        return Verification(f"{FINDING_STORAGE}: the output on {host} is not writable: {storage.get('error') or '?'}")
+    if status.get("making_progress"):
+        return Verification(f"{FINDING_NOT_CONFIRMED}: {host}'s job is making progress "
+                            f"(state {status.get('state')}, {status.get('done')} done)")
+    return Verification(f"{FINDING_CONFIRMED}: {host}'s job is not making progress (state {status.get('state')}, "
+                        f"process {'alive' if status.get('pid_alive') else 'gone'})")
+
+
+def verify(project_dir: Path, inventories: list[str], host: str, claim: str, *, env: dict[str, str],
+           exporter_port: int = 9100, timeout_s: float = 300) -> Verification:
+    """Run the verification play on the real inventory and judge its result."""
+    playbook = project_dir / "playbooks" / "selfheal_verify.yml"
+    with tempfile.TemporaryDirectory(prefix="hsx-selfheal-verify.") as d:
+        out = Path(d) / "result.json"
+        argv = ["ansible-playbook", str(playbook), *[a for inv in inventories for a in ("-i", inv)],
+                "-e", json.dumps({"hsx_verify_claim": claim, "hsx_verify_host": host, "hsx_verify_result": str(out),
+                                  "hsx_verify_exporter_port": exporter_port})]
+        try:
+            run = subprocess.run(argv, cwd=project_dir, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return Verification(f"{FINDING_UNVERIFIED}: the verification play did not run: {exc}")
+        try:
+            result = json.loads(out.read_text())
+        except (OSError, ValueError):
+            tail = (run.stdout + run.stderr).strip().splitlines()[-5:]
+            return Verification(f"{FINDING_UNVERIFIED}: the verification play wrote no result (rc {run.returncode}): "
+                                + " | ".join(tail))
+    return judge(result)

@@ -1,0 +1,168 @@
+"""Self-healing's brakes (extraction/selfheal/policy.py) and its ledger (ledger.py): the circuit breaker
+for correlated failures, flapping, failures in a row, resume, and a ledger that cannot be read."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from extraction.selfheal import ledger as ledger_mod
+from extraction.selfheal import policy as pol
+from extraction.selfheal import promtext
+
+P = pol.Policy()  # defaults: > 25% and >= 2 nodes within 30 min; 3 failed; flap 3 in 24 h; 3 in a row
+T = 1_000_000.0
+
+
+def state(**kw) -> dict:
+    s = ledger_mod.empty()
+    s.update(kw)
+    return s
+
+
+def req(host: str, at: float, alert: str = "HsxSelfHealStalled", finding: str | None = None) -> dict:
+    r = {"at": at, "host": host, "remedy": "recover", "alert": alert}
+    if finding:
+        r["finding"] = finding
+    return r
+
+
+def out(host: str, at: float, outcome: str, remedy: str = "recover", cause: str = "") -> dict:
+    return {"at": at, "host": host, "remedy": remedy, "outcome": outcome, "cause": cause}
+
+
+def test_one_node_failing_is_healed_but_a_storm_opens_the_breaker() -> None:
+    s = state(requests=[req("n1", T)])
+    assert pol.decide(s, P, T + 60, "n1", 8).act
+    s["requests"].append(req("n2", T + 10))
+    assert pol.decide(s, P, T + 60, "n2", 8).act  # 2 of 8 = 25%: not more than the share
+    s["requests"].append(req("n3", T + 20))
+    d = pol.decide(s, P, T + 60, "n3", 8)
+    assert not d.act and d.open_breaker and d.open_breaker["hosts"] == ["n1", "n2", "n3"]
+    assert "3 of 8 extraction nodes asked for a remedy within 30 min" in d.why
+    s["breaker"] = d.open_breaker
+    for host in ("n1", "n4"):  # once open, it holds every remedy, the first hosts' too
+        later = pol.decide(s, P, T + 3600 * 24, host, 8)
+        assert not later.act and "circuit breaker is open" in later.why
+
+
+def test_a_small_fleet_needs_two_nodes_and_old_requests_fall_out_of_the_window() -> None:
+    s = state(requests=[req("n1", T)])
+    assert pol.decide(s, P, T + 1, "n1", 3).act  # 1 of 3 is over 25%, but not 2 nodes
+    s["requests"].append(req("n2", T + 5))
+    assert pol.decide(s, P, T + 6, "n2", 3).open_breaker
+    s = state(requests=[req("n1", T), req("n2", T + P.window_s + 1)])
+    assert pol.decide(s, P, T + P.window_s + 2, "n2", 3).act
+
+
+def test_failed_remedies_fleet_wide_open_the_breaker() -> None:
+    s = state(outcomes=[out("n1", T, "failed"), out("n2", T + 1, "failed")], requests=[req("n9", T + 2)])
+    assert pol.decide(s, P, T + 3, "n9", 100).act
+    s["outcomes"].append(out("n3", T + 2, "failed", remedy="takeover"))
+    d = pol.decide(s, P, T + 3, "n9", 100)
+    assert d.open_breaker and "3 automatic remedies failed within 30 min (limit 3) on n1, n2, n3" in d.why
+
+
+def test_a_flapping_host_goes_to_a_person_even_when_each_recovery_succeeded() -> None:
+    s = state(outcomes=[out("n1", T + i, "ok") for i in range(3)], requests=[req("n1", T + 10)])
+    d = pol.decide(s, P, T + 11, "n1", 100)
+    assert not d.act and "recovered automatically 3 times within 24 h (limit 3): flapping" in d.hold_host
+    assert pol.decide(s, P, T + 11, "n2", 100).act  # the others are not held
+    assert pol.decide(s, P, T + P.flap_window_s + 5, "n1", 100).act  # older than the window: forgotten
+    s["host_resumed_at"] = {"n1": T + 5}  # a person re-armed it: counted from then
+    assert pol.decide(s, P, T + 11, "n1", 100).act
+
+
+def test_failures_in_a_row_hold_the_host_and_a_success_resets_them() -> None:
+    fails = [out("n1", T + i, "failed", cause="unreachable") for i in range(3)]
+    assert "last 3 automatic recoveries failed" in pol.host_hold(state(outcomes=fails), P, T + 9, "n1", flapping=False)
+    mixed = [fails[0], fails[1], out("n1", T + 3, "ok"), out("n1", T + 4, "failed")]
+    assert pol.host_hold(state(outcomes=mixed), pol.Policy(flap_max=10), T + 9, "n1") is None
+    held = state(held={"n1": {"since": T, "why": "flapping"}})
+    assert pol.decide(held, P, T + 1, "n1", 100).why == "n1 is held for a person: flapping"
+
+
+def test_resume_starts_the_windows_and_lets_the_acknowledged_hosts_be_healed_once() -> None:
+    s = state(requests=[req(h, T + i) for i, h in enumerate(("n1", "n2", "n3"))])
+    assert pol.decide(s, P, T + 5, "n1", 3).open_breaker
+    # The person fixed the storage and resumed: the same hosts' alerts, still firing, come again.
+    s.update(resumed_at=T + 100, acknowledged=["n1", "n2", "n3"])
+    s["requests"] += [req(h, T + 110 + i) for i, h in enumerate(("n1", "n2", "n3"))]
+    assert all(pol.decide(s, P, T + 120, h, 3).act for h in ("n1", "n2", "n3"))
+    s["requests"] += [req("n4", T + 130), req("n5", T + 131)]  # a new storm of other hosts opens it again
+    assert pol.decide(s, P, T + 132, "n4", 5).open_breaker
+
+
+def test_a_takeover_needs_the_rest_of_the_fleet_answering() -> None:
+    s = state(requests=[{"at": T, "host": "n1", "remedy": "takeover", "alert": "HsxSelfHealNodeDown"}])
+    assert pol.decide(s, P, T + 1, "n1", 4, unanswering=["n1"]).act
+    d = pol.decide(s, P, T + 1, "n1", 4, unanswering=["n1", "n2"])
+    assert d.open_breaker and d.open_breaker["cause"] == "unreachable" and "2 of 4 extraction nodes do not answer" in d.why
+
+
+def test_the_common_cause_comes_from_verified_findings_only() -> None:
+    s = state(requests=[req("n1", T, finding="storage: read-only file system"), req("n2", T, finding="storage: full"),
+                        req("n3", T, finding="confirmed: job not progressing")])
+    assert pol.decide(s, P, T + 1, "n3", 3).open_breaker["cause"] == "storage"
+    s["requests"][1]["finding"] = "confirmed: job failed"  # 1 of 3 is no common cause
+    del s["requests"][2]["finding"]
+    assert pol.decide(s, P, T + 1, "n3", 3).open_breaker["cause"] == "unknown"
+    s = state(requests=[req(h, T, alert="HsxSelfHealNodeDown") for h in ("n1", "n2", "n3")])
+    assert pol.decide(s, P, T + 1, "n3", 3).open_breaker["cause"] == "unknown"
+
+
+def test_bad_settings_are_refused() -> None:
+    for bad in ({"share": 1.0}, {"share": -0.1}, {"min_nodes": 0}, {"window_s": 0}, {"flap_max": 0}):
+        with pytest.raises(ValueError):
+            pol.Policy(**bad)
+
+
+def test_the_ledger_survives_a_restart_and_concurrent_writers(tmp_path: Path) -> None:
+    d = tmp_path / "state"
+    led = ledger_mod.Ledger(d)
+
+    def add(i: int) -> None:
+        with led.locked(T) as s:
+            s["requests"].append(req(f"n{i}", T))
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r["host"] for r in ledger_mod.Ledger(d).read()["requests"]) == sorted(f"n{i}" for i in range(16))
+    assert oct(os.stat(d).st_mode & 0o777) == "0o700"
+
+
+def test_a_ledger_that_cannot_be_read_is_an_error_never_an_empty_ledger(tmp_path: Path) -> None:
+    d = tmp_path / "state"
+    d.mkdir(mode=0o700)
+    (d / "ledger.json").write_text("{not json")
+    with pytest.raises(ledger_mod.LedgerError, match="ledger.json: not JSON"):
+        ledger_mod.Ledger(d).read()
+    (d / "ledger.json").write_text(json.dumps({"version": 1, "requests": [{"host": "n1"}]}))
+    with pytest.raises(ledger_mod.LedgerError, match=r"requests\[0\] is not an entry"):
+        ledger_mod.Ledger(d).read()
+    (d / "ledger.json").unlink()
+    (d / "ledger.json").symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_text(json.dumps(ledger_mod.empty()))
+    with pytest.raises(ledger_mod.LedgerError, match="cannot read"):
+        ledger_mod.Ledger(d).read()
+    os.chmod(d, 0o777)
+    with pytest.raises(ledger_mod.LedgerError, match="writable by no one else"), ledger_mod.Ledger(d).locked(T):
+        pass
+
+
+def test_the_metrics_say_the_breaker_and_the_held_hosts(tmp_path: Path) -> None:
+    s = state(breaker={"opened_at": T, "why": "3 of 3", "cause": "storage", "hosts": ["n1", "n2"], "alerts": ["A"]},
+              held={"n9": {"since": T, "why": 'flap "x"'}})
+    promtext.write(tmp_path, s, T)
+    text = (tmp_path / promtext.FILENAME).read_text()
+    assert 'hsx_selfheal_breaker_open{cause="storage",hosts="n1,n2",alerts="A",why="3 of 3"} 1' in text
+    assert 'hsx_selfheal_host_held{hsx_host="n9",why="flap \\"x\\""} 1' in text
+    assert oct((tmp_path / promtext.FILENAME).stat().st_mode & 0o777) == "0o644"
+    assert "hsx_selfheal_breaker_open 0" in promtext.render(ledger_mod.empty(), T)
