@@ -22,22 +22,27 @@ description:
     - For Python files the patched text must parse (C(ast.parse)) before anything is written.
     - Writes are atomic (temp file, fsync, rename) and keep the file's mode.
     - Uses the same code as C(hsx patch) (module_utils C(hsx.patching)), so both read the same markers.
+    - For SGLang's dump patch, O(sglang_package) instead of O(path) picks the model file from the target
+      (O(sglang_target), or the model's C(config.json) C(architectures) with O(sglang_model); module_utils
+      C(hsx.sglang_patch) C(TARGETS)) and that file's named patch, and refuses a target the release refuses,
+      by name, before any change.
 version_added: "0.1.0"
 author:
     - hsx maintainers (!UNKNOWN)
 options:
     path:
         description:
-            - The file to patch.
+            - The file to patch. Required unless O(sglang_package) is given (mutually exclusive with it).
         type: path
-        required: true
     patch:
         description:
             - A named patch shipped with this project. V(sglang_dump_hook) makes SGLang's
-              C(srt/models/deepseek_v2.py) call the hidden-state dump hook (C(sglang/hsx_dump_hook.py)).
-            - Mutually exclusive with O(patch_id).
+              C(srt/models/deepseek_v2.py) call the hidden-state dump hook (C(sglang/hsx_dump_hook.py));
+              V(sglang_dump_hook_llama) its C(srt/models/llama.py), V(sglang_dump_hook_qwen2) its
+              C(srt/models/qwen2.py).
+            - Mutually exclusive with O(patch_id). With O(sglang_package), the target file's own (the default).
         type: str
-        choices: [ sglang_dump_hook ]
+        choices: [ sglang_dump_hook, sglang_dump_hook_llama, sglang_dump_hook_qwen2 ]
     patch_id:
         description:
             - Identifier of an ad hoc patch given by O(blocks); letters, digits, underscore, dot, colon, dash.
@@ -98,8 +103,28 @@ options:
         description:
             - The installed SGLang version (for O(patch=sglang_dump_hook), or an ad hoc revision of it given by
               O(patch_id)); the module fails before any change when it is not a supported release
-              (module_utils C(hsx.sglang_versions)).
+              (module_utils C(hsx.sglang_versions)), or, with O(sglang_package), when the release refuses
+              the target.
         type: str
+    sglang_package:
+        description:
+            - The C(sglang) package directory (where C(srt/models/) is); the file patched is the target's
+              (returned as RV(path)).
+        type: path
+    sglang_target:
+        description:
+            - With O(sglang_package), the target, which decides the file patched, its class and its named
+              patch. V(deepseek_v2) (C(DeepseekV2Model), also Kimi-K2.5), V(llama) (C(LlamaModel)), V(qwen2)
+              (C(Qwen2Model)), V(qwen3) (C(Qwen3Model) through C(qwen2.py)'s C(Qwen2Model), to SGLang 0.5.20).
+            - V(auto) reads the target from O(sglang_model)'s C(config.json) C(architectures); unset, from
+              O(sglang_model) when given, else V(deepseek_v2).
+        type: str
+        choices: [ auto, deepseek_v2, llama, qwen2, qwen3 ]
+    sglang_model:
+        description:
+            - With O(sglang_package), the model directory the server runs (its C(config.json) is read, a
+              regular file of at most 1 MiB, for O(sglang_target=auto)).
+        type: path
 extends_documentation_fragment:
   - hsx.recovery.attributes
 attributes:
@@ -129,6 +154,13 @@ EXAMPLES = r"""
     path: /opt/sglang/lib/python3.11/site-packages/sglang/srt/models/deepseek_v2.py
     patch: sglang_dump_hook
     state: absent
+
+- name: Make SGLang call the dump hook from the file the model needs (for a Llama, srt/models/llama.py)
+  source_patch:
+    sglang_package: /opt/sglang/lib/python3.11/site-packages/sglang
+    sglang_target: auto
+    sglang_model: /data/models/Llama-3.1-8B-Instruct
+    sglang_version: "0.5.23"
 
 - name: An ad hoc patch
   source_patch:
@@ -179,6 +211,26 @@ backup_file:
     returned: changed and O(backup=true) and not in check mode
     type: str
     sample: /opt/sglang/.../deepseek_v2.py.12345.2026-01-01@10:00:00~
+path:
+    description: The file patched (with O(sglang_package), the target's).
+    returned: always
+    type: str
+    sample: /opt/sglang/lib/python3.11/site-packages/sglang/srt/models/llama.py
+sglang_target:
+    description: The target the file was chosen for.
+    returned: when O(sglang_package) is given
+    type: str
+    sample: llama
+model_class:
+    description: The SGLang model class whose C(__init__) and C(forward) hold the patch's blocks.
+    returned: when O(sglang_package) is given
+    type: str
+    sample: LlamaModel
+patch_name:
+    description: The named patch of the target's file (what O(patch) takes).
+    returned: when O(sglang_package) is given
+    type: str
+    sample: sglang_dump_hook_llama
 original_verified:
     description: With O(state=absent), whether the restored text hashes to the original recorded at apply time.
     returned: when O(state=absent) and blocks were removed
@@ -196,11 +248,17 @@ from ansible.module_utils.hsx.patching import (  # noqa: E402
     sha12,
     write_atomic,
 )
-from ansible.module_utils.hsx.sglang_patch import NAMED_PATCHES  # noqa: E402
-from ansible.module_utils.hsx.sglang_versions import support_problem  # noqa: E402
+from ansible.module_utils.hsx.sglang_patch import NAMED_PATCHES, TARGETS  # noqa: E402
+from ansible.module_utils.hsx.sglang_versions import (  # noqa: E402
+    TargetError,
+    resolve_target,
+    support_problem,
+    target_file,
+    target_problem,
+)
 
 ARGUMENT_SPEC = dict(
-    path=dict(type="path", required=True),
+    path=dict(type="path"),
     patch=dict(type="str", choices=sorted(NAMED_PATCHES)),
     patch_id=dict(type="str"),
     version=dict(type="str", default="1"),
@@ -219,6 +277,9 @@ ARGUMENT_SPEC = dict(
     backup=dict(type="bool", default=False),
     validate=dict(type="str", default="auto", choices=["auto", "python", "none"]),
     sglang_version=dict(type="str"),
+    sglang_package=dict(type="path"),
+    sglang_target=dict(type="str", choices=["auto", *sorted(TARGETS)]),
+    sglang_model=dict(type="path"),
 )
 
 
@@ -228,6 +289,23 @@ class SourcePatchModule:
     def __init__(self, module: AnsibleModule):
         self.module = module
         self.params = module.params
+
+    def target(self) -> dict:
+        """With sglang_package: the target, its file (params' path set to it) and its named patch."""
+        p = self.params
+        try:
+            target = resolve_target(p["sglang_target"], p["sglang_model"])
+        except TargetError as exc:
+            self.module.fail_json(msg=f"cannot choose the SGLang file to patch: {exc}", changed=False)
+        info = target_file(target)
+        if p["patch"] and p["patch"] != info["patch"]:
+            self.module.fail_json(
+                msg=f"patch {p['patch']} is not {info['file']}'s ({info['patch']}, target {target})"
+            )
+        if not p["patch_id"]:
+            p["patch"] = info["patch"]
+        p["path"] = f"{p['sglang_package'].rstrip('/')}/{info['file']}"
+        return {"sglang_target": target, "model_class": info["model_class"], "patch_name": info["patch"]}
 
     def patch(self) -> Patch:
         p = self.params
@@ -242,12 +320,17 @@ class SourcePatchModule:
 
     def run(self) -> dict:
         p = self.params
+        chosen = self.target() if p["sglang_package"] else {}
         path = p["path"]
         patch = self.patch()
         if p["sglang_version"] is not None and p["state"] == "present":
             problem = support_problem(p["sglang_version"])
+            if chosen:
+                problem = problem or target_problem(chosen["sglang_target"], p["sglang_version"])
             if problem:
-                self.module.fail_json(msg=f"{path}: {problem}; nothing changed", changed=False)
+                self.module.fail_json(
+                    msg=f"{path}: {problem}; nothing changed", changed=False, path=path, **chosen
+                )
         try:
             text = read_text(path)
             new_text, ins = plan(text, patch, p["state"], p["force"])
@@ -260,8 +343,10 @@ class SourcePatchModule:
             ):
                 check_python(new_text, path)
         except PatchError as exc:
-            self.module.fail_json(msg=str(exc), changed=False)
+            self.module.fail_json(msg=str(exc), changed=False, path=path, **chosen)
         result = {
+            **chosen,
+            "path": path,
             "changed": changed,
             "before": ins.status,
             "after": "patched" if p["state"] == "present" else "unpatched",
@@ -278,7 +363,12 @@ class SourcePatchModule:
                 )
         if changed:
             if self.module._diff:  # the whole file twice: only when --diff asks for it
-                result["diff"] = {"before": text, "after": new_text, "before_header": path, "after_header": path}
+                result["diff"] = {
+                    "before": text,
+                    "after": new_text,
+                    "before_header": path,
+                    "after_header": path,
+                }
             if not self.module.check_mode:
                 if p["backup"]:
                     result["backup_file"] = self.module.backup_local(path)
@@ -292,9 +382,13 @@ class SourcePatchModule:
 def main() -> None:
     module = AnsibleModule(
         argument_spec=ARGUMENT_SPEC,
-        mutually_exclusive=[("patch", "patch_id")],
-        required_one_of=[("patch", "patch_id")],
-        required_by={"blocks": "patch_id"},
+        mutually_exclusive=[("patch", "patch_id"), ("path", "sglang_package")],
+        required_one_of=[("path", "sglang_package"), ("patch", "patch_id", "sglang_package")],
+        required_by={
+            "blocks": "patch_id",
+            "sglang_target": "sglang_package",
+            "sglang_model": "sglang_package",
+        },
         supports_check_mode=True,
     )
     module.exit_json(**SourcePatchModule(module).run())
