@@ -189,10 +189,10 @@ findings:
     elements: dict
     sample: [{gpu: 3, check: ecc, severity: fail, message: "GPU 3: 2 uncorrectable ECC errors since the driver loaded"}]
 msg:
-    description: One line saying what was found.
+    description: One line saying what was found (and what DCGM's diagnostic said, where it ran or is absent).
     returned: always
     type: str
-    sample: "8 GPUs healthy"
+    sample: "8 GPUs healthy; dcgmi diag -r 1 passed (1 tests, 6.2 s)"
 """
 
 import traceback

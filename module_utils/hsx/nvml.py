@@ -100,7 +100,7 @@ _PCI_ADDRESS = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 def kernel_driver(root: str = "/") -> str | None:
     """Where the NVIDIA kernel driver shows it is loaded under `root` (/proc/driver/nvidia,
     /sys/module/nvidia, or a /dev/nvidiaN device node), or None: then NVML failing to start means
-    "no GPU here", not a broken driver. Only looks (lstat, listdir); never follows into anything."""
+    "no GPU here", not a broken driver. Only looks (stat, listdir); opens nothing."""
     for rel in ("proc/driver/nvidia", "sys/module/nvidia"):
         if os.path.isdir(os.path.join(root, rel)):
             return "/" + rel

@@ -101,13 +101,16 @@ def parse_kmsg(chunk: bytes) -> list[Record]:
 def kernel_records(path: str = "/dev/kmsg", max_records: int = 500_000) -> list[Record] | None:
     """The ring buffer's records since boot (as many as it still holds), None where `path` cannot be
     opened. /dev/kmsg gives one record a read, EAGAIN at the end and EPIPE for a record overwritten
-    while reading (skipped); a regular file (tests) is read whole."""
+    while reading (skipped); a regular file (a saved log, the tests) is read whole."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     records: list[Record] = []
     try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # a saved log (tests): records split only at line ends
+            with open(os.dup(fd), "rb") as f:
+                return parse_kmsg(f.read(64 << 20))[:max_records]
         while len(records) < max_records:
             try:
                 chunk = os.read(fd, 1 << 16)
