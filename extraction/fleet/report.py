@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from extraction.fleet.takeoverreport import takeover_check, takeover_lines
 from hsx.redact import redact_tree
 from hsx.status import process_gone
 
@@ -186,6 +187,9 @@ def _checks(f: dict[str, Any]) -> list[dict[str, Any]]:
             f"{job.get('done')}/{job.get('total')} done, {job.get('samples_per_s')} samples/s"
             + ("" if not job.get("message") else f" ({job.get('message')})"),
         )
+    takeover = takeover_check(f)
+    if takeover is not None:
+        add("takeover", *takeover)
     rollout = f.get("rollout_result")
     if rollout:
         outcome = str(rollout.get("outcome") or "?")
@@ -222,6 +226,7 @@ def host_report(facts: dict[str, Any]) -> dict[str, Any]:
         "processes_ended": len(_get(facts, "gpu_reclaim_result", "processes_ended", default=[]) or []),
         "patch": facts.get("sglang_patch_result"),
         "rollout": facts.get("rollout_result"),
+        "takeover": facts.get("takeover"),
     }
     return {
         "host": facts.get("host"),
@@ -293,6 +298,7 @@ def summary_markdown(reports: list[dict[str, Any]], title: str) -> str:
         halted = next((r["after"]["rollout"] for r in rollouts if r["after"]["rollout"].get("halted")), None)
         if halted:
             lines += ["", f"The rollout stopped: {halted.get('halt_reason')}."]
+    lines += takeover_lines(reports)
     failed = [r for r in reports if not r["ok"]]
     if failed:
         lines += ["", "## Failed hosts", ""]
