@@ -114,6 +114,8 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"  alerts: {', '.join(b.get('alerts', []))}; resume with: hsx selfheal resume")
     else:
         print("breaker closed" + (f" (resumed {_ago(state['resumed_at'], now)})" if state["resumed_at"] else ""))
+    for host in sorted(state["retired"]):
+        print(f"TAKEN OVER {host}: its alerts act no more (returned with a rebalance? hsx selfheal resume --host {host})")
     for host, held in sorted(state["held"].items()):
         print(f"HELD {host} since {_ago(held['since'], now)}: {held['why']} (re-arm: hsx selfheal resume --host {host})")
     for o in state["outcomes"][-10:]:
@@ -127,8 +129,10 @@ def run_resume(args: argparse.Namespace) -> int:
         with ledger_mod.Ledger(args.state_dir).locked(now) as state:
             if args.host:
                 was = state["held"].pop(args.host, None)
+                retired = state["retired"].pop(args.host, None)
                 state["host_resumed_at"][args.host] = now
-                print(f"{args.host}: re-armed" + (f" (was held: {was['why']})" if was else " (was not held)"))
+                print(f"{args.host}: re-armed" + (f" (was held: {was['why']})" if was else " (was not held)")
+                      + (" and no longer counted as taken over" if retired else ""))
             else:
                 b = state["breaker"]
                 state["breaker"] = None

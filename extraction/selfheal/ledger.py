@@ -10,7 +10,7 @@ forgetting an open breaker would let the loop act again.
 
 Shape (version 1): `requests` [{at, host, remedy, alert, finding?}], `outcomes` [{at, host, remedy,
 outcome, cause?, detail?}], `breaker` (null or {opened_at, why, cause, hosts, alerts}), `resumed_at`,
-`acknowledged` [hosts], `held` {host: {since, why}}, `host_resumed_at` {host: at}, `textfile_dir` (where
+`acknowledged` [hosts], `held` {host: {since, why}}, `host_resumed_at` {host: at}, `retired` {host: at} (taken over by the loop), `textfile_dir` (where
 the last remedy wrote hsx-selfheal.prom, so that a resume rewrites it there). Entries older than
 the longest window are dropped as the file is written.
 """
@@ -46,7 +46,7 @@ def default_state_dir() -> Path:
 
 def empty() -> dict[str, Any]:
     return {"version": VERSION, "requests": [], "outcomes": [], "breaker": None, "resumed_at": 0.0,
-            "acknowledged": [], "held": {}, "host_resumed_at": {}, "textfile_dir": None}
+            "acknowledged": [], "held": {}, "host_resumed_at": {}, "retired": {}, "textfile_dir": None}
 
 
 def _check_dir(d: Path) -> None:
@@ -64,7 +64,7 @@ def _validate(data: Any, path: Path) -> dict[str, Any]:
         raise LedgerError(f"{path}: not a version {VERSION} self-healing ledger")
     state = empty()
     for key, kind in (("requests", list), ("outcomes", list), ("acknowledged", list), ("held", dict),
-                      ("host_resumed_at", dict)):
+                      ("host_resumed_at", dict), ("retired", dict)):
         value = data.get(key, state[key])
         if not isinstance(value, kind):
             raise LedgerError(f"{path}: {key} must be a {kind.__name__}")

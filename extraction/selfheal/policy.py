@@ -165,6 +165,9 @@ def decide(state: dict[str, Any], policy: Policy, now: float, host: str, fleet: 
     opened = breaker_check(state, policy, now, fleet, unanswering)
     if opened:
         return Decision(False, f"circuit breaker opened: {opened['why']}", open_breaker=opened)
+    if host in state.get("retired", {}):
+        return Decision(False, f"{host} was taken over (its work moved to the others): nothing more is done for it; "
+                        f"return it with a rebalance, then `hsx selfheal resume --host {host}`")
     why = host_hold(state, policy, now, host)
     if why:
         return Decision(False, f"{host} is held for a person: {why}", hold_host=why)

@@ -38,6 +38,12 @@ def render(state: dict[str, Any], now: float) -> str:
     for host, held in sorted(state.get("held", {}).items()):
         lines.append(f'hsx_selfheal_host_held{{hsx_host="{_label(host)}",why="{_label(held.get("why", ""))}"}} 1')
     lines += [
+        "# HELP hsx_selfheal_host_retired 1 for a host whose work the loop took over: its alerts act no more.",
+        "# TYPE hsx_selfheal_host_retired gauge",
+    ]
+    for host in sorted(state.get("retired", {})):
+        lines.append(f'hsx_selfheal_host_retired{{hsx_host="{_label(host)}"}} 1')
+    lines += [
         "# HELP hsx_selfheal_ledger_timestamp_seconds When the self-healing ledger was last written.",
         "# TYPE hsx_selfheal_ledger_timestamp_seconds gauge",
         f"hsx_selfheal_ledger_timestamp_seconds {now:.3f}",

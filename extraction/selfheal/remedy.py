@@ -200,6 +200,8 @@ def _verify_decide_act(req: Request, policy: pol.Policy, ledger: ledger_mod.Ledg
                                   "outcome": pol.OUTCOME_OK if rc == 0 else pol.OUTCOME_FAILED,
                                   "cause": "storage" if stage == "storage" else (stage or ""),
                                   "detail": f"{req.playbook} rc {rc}"})
+        if rc == 0 and req.remedy == "takeover":
+            state["retired"][req.host] = now  # its alerts act no more (the rules read hsx_selfheal_host_retired)
         _after_outcome(state, policy, now, req.host, len(nodes))
         promtext.write(req.textfile_dir, state, now)
     result = "ok" if rc == 0 else f"failed (rc {rc}, stage {stage or 'unknown'})"

@@ -166,3 +166,12 @@ def test_the_metrics_say_the_breaker_and_the_held_hosts(tmp_path: Path) -> None:
     assert 'hsx_selfheal_host_held{hsx_host="n9",why="flap \\"x\\""} 1' in text
     assert oct((tmp_path / promtext.FILENAME).stat().st_mode & 0o777) == "0o644"
     assert "hsx_selfheal_breaker_open 0" in promtext.render(ledger_mod.empty(), T)
+
+
+def test_a_host_the_loop_took_over_is_not_acted_on_again() -> None:
+    s = state(requests=[{"at": T, "host": "n1", "remedy": "takeover", "alert": "HsxSelfHealNodeDown"}],
+              retired={"n1": T - 10})
+    d = pol.decide(s, P, T + 1, "n1", 8)
+    assert not d.act and "was taken over" in d.why and "hsx selfheal resume --host n1" in d.why
+    assert 'hsx_selfheal_host_retired{hsx_host="n1"} 1' in promtext.render(s, T)
+    assert pol.decide(s, P, T + 1, "n2", 8).act
