@@ -188,7 +188,7 @@ def run_diag(dcgmi: str, level: int, timeout: float | None = None) -> DiagResult
     except OSError as e:
         return DiagResult("failed", level, f"dcgmi diag -r {level} could not start: {e}")
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
             try:

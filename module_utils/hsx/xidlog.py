@@ -255,8 +255,10 @@ def _parse_record(path: str, data: bytes, boot: str) -> list[Xid]:
         return []  # an earlier boot's: its XIDs were cleared by the reboot
     out = []
     for i, x in enumerate(doc["xids"]):
+        number = x.get("xid") if isinstance(x, dict) else None
         if not (isinstance(x, dict) and isinstance(x.get("pci_bus_id"), str) and _BUS.fullmatch(x["pci_bus_id"])
-                and type(x.get("xid")) is int and 0 <= x["xid"] < 10000 and isinstance(x.get("line"), str)):
+                and isinstance(number, int) and not isinstance(number, bool) and 0 <= number < 10000
+                and isinstance(x.get("line"), str)):
             raise XidRecordError(f"{path}: xids[{i}] is not {{pci_bus_id, xid, line}}: {str(x)[:120]}")
         out.append(Xid(x["pci_bus_id"], x["xid"], x["line"][:MAX_LINE]))
     return out
