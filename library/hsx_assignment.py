@@ -24,6 +24,8 @@ description:
       (O(finished)); kept buckets that no longer do (its disk died, it cannot be reached) move too.
     - With O(rebalance) hosts of O(hosts) the file does not name are added, taking only buckets no node has
       started (not in O(started)); without it such a host fails the task, so an inventory typo never moves work.
+      The retired hosts of O(hosts) whose outputs were read (O(answered)) return the same way (no longer retired;
+      the buckets they kept stay theirs), which is how a taken-over node comes back.
     - Runs on the control node (C(delegate_to=localhost), C(run_once), C(become=false)). Check mode writes
       nothing and returns the assignment that would be written.
     - A file at the old default place, C(fleet/assignment.json) beside C(.fleet/) (Ansible read it as an inventory
@@ -139,7 +141,9 @@ retired:
     type: list
     returned: success
 moved:
-    description: With O(takeover) or O(rebalance), host -> the buckets it gets (a range list); empty when nothing moved.
+    description:
+        - With O(takeover) or O(rebalance), host -> the buckets it gets (a range list); empty when nothing moved. A
+          returning host (O(rebalance)) is listed too.
     type: dict
     returned: success
 migrated_from:
@@ -248,15 +252,17 @@ def _resolve(
         )
     new, gone = host_changes(recorded["hosts"], hosts)
     gone = [h for h in gone if h not in recorded["retired"]]  # a retired host owns nothing to run
-    if new and rebalance:
-        unread = sorted(set(recorded["hosts"]) - set(recorded["retired"]) - set(answered if answered is not None else hosts))
+    read = set(answered if answered is not None else hosts)
+    back = sorted(set(recorded["retired"]) & set(hosts) & read) if rebalance else []  # retired, in the play, read
+    if (new or back) and rebalance:
+        unread = sorted(set(recorded["hosts"]) - set(recorded["retired"]) - read)
         if unread:
             raise AssignmentFileError(
                 f"{path}: cannot rebalance: host(s) {', '.join(unread)} did not answer, so which of their buckets "
                 "have started is unknown; bring them back (or take them over: hsx takeover HOST) first"
             )
         try:
-            changed_to, gets = plan_rebalance(recorded, new, _spec_set(started, buckets, "started"), _now())
+            changed_to, gets = plan_rebalance(recorded, new, _spec_set(started, buckets, "started"), _now(), back)
         except AssignError as e:
             raise AssignmentFileError(f"{path}: {e}") from None
         if not check_mode:

@@ -13,10 +13,12 @@ Contract:
   does not name, waiting for its rebalance, is then no error). Kept buckets no longer read
   finished (its disk died; nothing counts finished on a host that cannot be reached) move like
   any unfinished ones, so they are never lost for good.
-- `plan_rebalance(assignment, new_hosts, started, now)`: the new assignment with `new_hosts` added.
-  Only buckets no node has started (not in `started`: any sample of it done on any host) move;
-  each existing (not retired) host gives its highest unstarted buckets beyond an even share of
-  the buckets over all active hosts, and the new hosts take them (sorted, in contiguous runs) up to that share.
+- `plan_rebalance(assignment, new_hosts, started, now, returning=())`: the new assignment with
+  `new_hosts` added and the retired hosts of `returning` back (no longer retired; the buckets they
+  kept stay theirs). Only buckets no node has started (not in `started`: any sample of it done on
+  any host) move; each existing (not retired) host gives its highest unstarted buckets beyond an
+  even share of the buckets over all active and joining hosts, and the joining hosts take them
+  (sorted, in contiguous runs) up to that share. `history` says who was added and who returned.
 - Both raise AssignError (hsx.buckets) naming what is wrong: an unknown host, no live host, a
   new host already in the assignment; neither changes its input.
 """
@@ -90,19 +92,25 @@ def plan_takeover(
 
 
 def plan_rebalance(
-    assignment: dict[str, Any], new_hosts: Iterable[str], started: Iterable[int], now: str
+    assignment: dict[str, Any], new_hosts: Iterable[str], started: Iterable[int], now: str,
+    returning: Iterable[str] = (),
 ) -> tuple[dict[str, Any], dict[str, set[int]]]:
-    """(the new assignment, new host -> the buckets it gets); see the module's contract."""
+    """(the new assignment, joining host -> the buckets it gets); see the module's contract."""
     hosts, buckets = assignment["hosts"], assignment["buckets"]
+    retired = set(assignment.get("retired", []))
     adding = sorted(set(new_hosts))
+    back = sorted(set(returning))
     there = [h for h in adding if h in hosts]
     if there:
         raise AssignError(f"rebalance: host(s) {', '.join(there)} are already in the assignment")
-    if not adding:
+    not_retired = [h for h in back if h not in retired]
+    if not_retired:
+        raise AssignError(f"rebalance: host(s) {', '.join(not_retired)} are not retired: nothing to return")
+    joining = sorted(adding + back)
+    if not joining:
         return assignment, {}
-    retired = set(assignment.get("retired", []))
     active = sorted(set(hosts) - retired)
-    share = buckets // (len(active) + len(adding))
+    share = buckets // (len(active) + len(joining))
     started_set = set(started)
     pool: list[int] = []
     for h in active:
@@ -110,12 +118,17 @@ def plan_rebalance(
         spare = sorted(mine - started_set, reverse=True)[: max(len(mine) - share, 0)]
         pool += spare
     pool.sort()
-    gets = split_runs(pool[: share * len(adding)], adding)
+    gets = split_runs(pool[: share * len(joining)], joining)
     moved = set().union(*gets.values())
-    entry = {"action": "rebalance", "added": adding, "moved": {h: format_ranges(b) for h, b in gets.items()}}
+    entry: dict[str, Any] = {"action": "rebalance", "added": adding}
+    if back:
+        entry["returned"] = back
+    entry["moved"] = {h: format_ranges(b) for h, b in gets.items()}
     new = _next(assignment, entry, now)
     for h in active:
         new["hosts"][h] = format_ranges(owned(assignment, h) - moved)
-    for h in adding:
-        new["hosts"][h] = format_ranges(gets[h])
+    for h in joining:
+        new["hosts"][h] = format_ranges(owned(assignment, h) | gets[h])  # a returning host keeps what it kept
+    if back:
+        new["retired"] = sorted(retired - set(back))
     return new, gets

@@ -113,6 +113,9 @@ def test_a_host_gone_from_the_inventory_is_taken_over_by_its_name_in_the_file(tm
     assert json.loads((tmp_path / "fleet.json").read_text()) == fleet
     proc = takeover(tmp_path, "nosuch", hosts, "--check")
     assert proc.returncode != 0 and "nosuch is not in the assignment" in flat(proc.stdout), proc.stdout[-3000:]
+    # A takeover that could not plan still leaves its report, saying why nothing moved.
+    summary = (sorted((tmp_path / "reports").glob("*-takeover"))[-1] / "summary.md").read_text()
+    assert "nothing moved, no plan was made" in summary and "nosuch is not in the assignment" in summary, summary
     # In the inventory but left out of the play (--limit): not taken as gone, it must be in the play.
     proc = takeover(tmp_path, "n2", hosts, "--check", "--limit", "n1")
     assert proc.returncode != 0 and "is in the inventory but not in this play" in flat(proc.stdout), \
