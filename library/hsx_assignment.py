@@ -279,8 +279,9 @@ def _resolve(
     if gone:
         warnings.append(
             f"{path}: host(s) {', '.join(gone)} of the assignment are not in this play (--limit, or gone from the "
-            "inventory): their buckets stay theirs and no other host runs them (hsx takeover HOST moves a dead "
-            "host's unfinished buckets)"
+            "inventory): their buckets stay theirs and no other host runs them. A host renamed or removed from the "
+            "inventory is retired by its old name: hsx takeover HOST (its unfinished buckets move to the live hosts; "
+            "a renamed one then joins under its new name with -e hsx_rebalance=true)"
         )
     return recorded, False, warnings, {}
 

@@ -26,8 +26,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="move a dead host's unfinished buckets to the live hosts (takeover.yml); --check shows the plan",
         description="Runs playbooks/takeover.yml with hsx_takeover_host=HOST: finished buckets are read from "
         "each host's own output (an unreachable host finished nothing), the rest of HOST's buckets move to the "
-        "hosts that answered (recorded in the fleet's assignment file) and their jobs resume with them. Exit 0: "
-        "done (HOST itself may be unreachable); 1: some other host failed; 2: usage.",
+        "hosts that answered (recorded in the fleet's assignment file) and their jobs resume with them; HOST's job "
+        "is stopped where it answers. HOST may be a host of the assignment file no longer in the inventory. Writes "
+        "reports/<timestamp>-takeover/. Exit 0: done (HOST itself may be unreachable); 1: some other host failed, "
+        "or no plan; 2: usage.",
     )
     p.add_argument("host", metavar="HOST", help="the inventory name of the host to take over")
     add_playbook_arguments(p)
