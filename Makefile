@@ -10,7 +10,7 @@ PYTHON := $(shell for p in python3.11 python3 /usr/bin/python3.11; do \
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup lab-ensure lint unit molecule integration test demo clean lab-down collection sanity
+.PHONY: setup lab-ensure lint unit molecule integration test demo clean lab-down collection sanity sglang-cpu
 
 setup: $(STAMP)
 
@@ -54,6 +54,12 @@ test: lab-ensure
 
 demo: lab-ensure
 	tests/demo.sh
+
+# The released SGLang 0.5.23 for its CPU path (tests/sglang_cpu), in a venv outside the checkout:
+# $HSX_SGLANG_CPU_VENV, else /var/cache/hsx/sglang-0.5.23-cpu; pinned, a cache hit costs nothing.
+sglang-cpu:
+	@test -n "$(PYTHON)" || { echo "make: no working Python 3.11 found" >&2; exit 2; }
+	$(PYTHON) tests/sglang_cpu/install.py
 
 lab-down:
 	$(BIN)/python tests/lab/lab.py down

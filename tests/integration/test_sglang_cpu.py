@@ -1,0 +1,307 @@
+"""The product's own SGLang path against the RELEASED SGLang server, on this machine's CPU.
+
+No stand-in server: sglang 0.5.23 from the venv of tests/sglang_cpu/install.py (outside the
+checkout; `make sglang-cpu`), started by tests/sglang_cpu/server.py with the `sgl_kernel` stand-in
+(a kernel library whose only wheel is a CUDA build; its docstring says why). What is checked:
+- `hsx patch apply --model M` deploys the patch and hook into the installed SGLang (the file the
+  model's architecture chooses); at the end `hsx patch revert` gives back the released files
+  (their SHA-256 in the wheel's RECORD);
+- the real server on a tiny Llama and a tiny Qwen2 (extraction/testbed/tiny_dense.py), `hsx
+  extract --backend sglang` over a tiny dataset: the shards verify deep and equal the hf backend's
+  shards of the same model - input_ids and loss_mask bit-equal, the states within BF16_TOL (the two
+  run different kernels in bf16; how many states came out bit-equal is printed);
+- chunked prefill forced on for the Llama server (--chunked-prefill-size CHUNK; the Qwen2 server
+  keeps SGLang's default): its shards are the joined pieces, and one long request's dump, kept,
+  is seen in several pieces;
+- nothing is left in the dump directory once the client is done (the hook must not dump what the
+  client did not ask for: SGLang's own /health generate and start-up warm-up requests);
+- a server started WITHOUT --disable-radix-cache: the client refuses it before the first sample
+  (a preflight naming the flag), and no shard is written.
+Lab hosts are not used: the local machine runs the server (3 server starts). A missing venv FAILS
+the test, naming the install command. Figures (server starts, samples/s of both backends) are
+printed by the last test (`-s`).
+
+    .venv/bin/pytest tests/integration/test_sglang_cpu.py -q -s -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "sglang_cpu"))
+
+from server import CPUServer, venv_problem  # noqa: E402
+
+from extraction.testbed.tiny import write_tiny_dataset  # noqa: E402
+from extraction.testbed.tiny_dense import CAPTURE_LAYERS, build_tiny_dense  # noqa: E402
+from hsx.index import load_index  # noqa: E402
+
+HSX = str(REPO / ".venv" / "bin" / "hsx")
+LAYERS = ",".join(map(str, CAPTURE_LAYERS))
+SAMPLES = 24
+CHUNK = 64  # --chunked-prefill-size of the Llama server: most tiny samples are longer
+CHUNKED = {"llama": CHUNK, "qwen2": None}
+# The sglang and hf states of one sample: max |a - b| <= BF16_TOL * max |b| per tensor (hidden
+# state and each captured layer). Both are bf16 forwards of one checkpoint by different kernels
+# (SGLang's torch-native layers and attention vs transformers'); bf16 has 8 bits of mantissa, so
+# one rounding step is 2**-8 (0.4%) of a value; the tiny models' differences stay within a few.
+BF16_TOL = 3e-2
+pytestmark = pytest.mark.slow
+FIGURES: dict[str, object] = {}
+
+
+def hsx(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run([HSX, *args], capture_output=True, text=True, env=env)
+    if check and done.returncode != 0:
+        pytest.fail(
+            f"hsx {' '.join(args)}: rc {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    return done
+
+
+@pytest.fixture(scope="module")
+def venv() -> Path:
+    problem = venv_problem()
+    if problem:
+        pytest.fail(problem)  # not a skip: this test exists to run the real server
+    from install import default_venv
+
+    return default_venv()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("sglang-cpu")
+    base.chmod(0o700)
+    (base / "api-key").write_text("hsx-test-key\n")
+    (base / "api-key").chmod(0o600)
+    write_tiny_dataset(base / "tiny.jsonl", SAMPLES, seed=5)
+    return base
+
+
+@pytest.fixture(scope="module")
+def models(work) -> dict[str, Path]:
+    return {arch: build_tiny_dense(arch, work / f"tiny-{arch}") for arch in ("llama", "qwen2")}
+
+
+def released(venv: Path, relpath: str) -> bool:
+    """Whether sglang/<relpath> in the venv is the file the wheel installed (its RECORD's SHA-256)."""
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    record = next(site.glob("sglang-*.dist-info")) / "RECORD"
+    for line in record.read_text().splitlines():
+        path, digest, _size = line.rsplit(",", 2)
+        if path == f"sglang/{relpath}":
+            got = base64.urlsafe_b64encode(hashlib.sha256((site / path).read_bytes()).digest()).rstrip(b"=")
+            return digest == "sha256=" + got.decode()
+    raise AssertionError(f"sglang/{relpath} is not in {record}")
+
+
+@pytest.fixture(scope="module")
+def patched(venv, models):
+    """The patch in the installed SGLang for both targets (no backups left in the cached venv);
+    reverted at the end, the released files back byte for byte."""
+    files = {arch: f"srt/models/{arch}.py" for arch in models}
+    for model in models.values():  # what an interrupted run left (nothing, usually)
+        hsx("patch", "revert", "--sglang", str(venv), "--model", str(model), "--no-backup")
+    assert all(released(venv, f) for f in files.values()), "the cached venv's SGLang is not as released"
+    try:
+        for model in models.values():
+            hsx("patch", "apply", "--sglang", str(venv), "--model", str(model), "--no-backup")
+            done = hsx("patch", "status", "--sglang", str(venv), "--model", str(model), "--json")
+            assert json.loads(done.stdout)["ok"], done.stdout
+        yield
+    finally:
+        for model in models.values():
+            hsx("patch", "revert", "--sglang", str(venv), "--model", str(model), "--no-backup")
+    assert all(released(venv, f) for f in files.values()), "hsx patch revert left the files changed"
+    assert not list((venv / "lib").glob("python3*/site-packages/sglang/hsx_*.py")), "hook files left"
+
+
+def serve(model: Path, work: Path, name: str, **kwargs) -> CPUServer:
+    dump_dir = work / f"dumps-{name}"
+    dump_dir.mkdir(mode=0o700)
+    srv = CPUServer(
+        model,
+        log_path=work / f"server-{name}.log",
+        dump_dir=str(dump_dir),
+        dump_layers=LAYERS,
+        api_key="hsx-test-key",
+        **kwargs,
+    )
+    srv.start()  # here, not in `with`: the start time is recorded before the test uses it
+    FIGURES.setdefault("server_start_s", []).append(round(srv.start_seconds, 1))
+    return srv
+
+
+def extract(work: Path, model: Path, out: Path, srv: CPUServer | None = None, check: bool = True):
+    args = [
+        "extract",
+        "--model",
+        str(model),
+        "--dataset",
+        str(work / "tiny.jsonl"),
+        "--output",
+        str(out),
+        "--layers",
+        LAYERS,
+        "--progress",
+        "off",
+        "--reserve-bytes",
+        "16M",
+    ]
+    if srv is not None:
+        args += [
+            "--backend",
+            "sglang",
+            "--server-url",
+            srv.url,
+            "--dump-dir",
+            srv.env["HSX_DUMP_DIR"],
+            "--api-key-file",
+            str(work / "api-key"),
+            "--concurrency",
+            "4",
+        ]
+    t0 = time.monotonic()
+    done = hsx(*args, check=check)
+    return done, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def hf_shards(work, models) -> dict[str, Path]:
+    out = {}
+    for arch, model in models.items():
+        out[arch] = work / f"hf-{arch}"
+        _, seconds = extract(work, model, out[arch])
+        FIGURES[f"hf_{arch}_samples_per_s"] = round(SAMPLES / seconds, 2)
+    return out
+
+
+def compare(got: Path, want: Path) -> dict[str, int]:
+    """Every shard of `got` against `want`'s: ids and mask bit-equal, states within BF16_TOL;
+    how many tensors of each kind came out bit-equal."""
+    mine, ref = load_index(str(got)), load_index(str(want))
+    assert set(mine) == set(ref) and len(ref) == SAMPLES
+    equal: dict[str, int] = {}
+    worst = 0.0
+    for sample_id, entry in ref.items():
+        a = torch.load(got / mine[sample_id].path, weights_only=True)
+        b = torch.load(want / entry.path, weights_only=True)
+        assert a.keys() == b.keys(), sample_id
+        for key in b:
+            if not b[key].is_floating_point():
+                assert torch.equal(a[key], b[key]), (sample_id, key)
+                continue
+            assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype, (sample_id, key)
+            parts = b[key].shape[-1] // b["hidden_state"].shape[-1]
+            for i, (x, y) in enumerate(
+                zip(a[key].float().chunk(parts, -1), b[key].float().chunk(parts, -1), strict=True)
+            ):
+                name = f"{key}[{i}]" if parts > 1 else key
+                rel = ((x - y).abs().max() / y.abs().max()).item()
+                worst = max(worst, rel)
+                assert rel <= BF16_TOL, f"{sample_id} {name}: max|a-b|/max|b| = {rel:.4f} > {BF16_TOL}"
+                equal[name] = equal.get(name, 0) + int(torch.equal(x, y))
+    equal["worst_rel"] = round(worst, 4)
+    return equal
+
+
+def verify_deep(out: Path) -> None:
+    done = hsx("verify", str(out), "--level", "deep", "--json")
+    assert json.loads(done.stdout)["ok"] == SAMPLES, done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_real_server_shards_verify_deep_and_equal_hf(arch, work, models, patched, hf_shards):
+    out = work / f"sglang-{arch}"
+    with serve(models[arch], work, arch, chunked_prefill_size=CHUNKED[arch]) as srv:
+        _, seconds = extract(work, models[arch], out, srv)
+        if CHUNKED[arch]:
+            long_request_comes_in_pieces(srv, models[arch])
+    FIGURES[f"sglang_{arch}_samples_per_s"] = round(SAMPLES / seconds, 2)
+    verify_deep(out)
+    FIGURES[f"bit_equal_{arch}"] = compare(out, hf_shards[arch])
+
+
+def long_request_comes_in_pieces(srv: CPUServer, model: Path) -> None:
+    """One request of 5.5 chunks, its dump kept: the hook wrote it in pieces at the chunk
+    boundaries, and the client joined them (then its files are removed)."""
+    from extraction.backends.base import Sample
+    from extraction.backends.sglang import SGLangBackend
+
+    dump_dir = srv.env["HSX_DUMP_DIR"]
+    ids = (torch.arange(5 * CHUNK + CHUNK // 2) * 7) % 1000 + 7
+    backend = SGLangBackend(
+        srv.url,
+        dump_dir,
+        str(model),
+        list(CAPTURE_LAYERS),
+        keep_dumps=True,
+        api_key="hsx-test-key",
+        health_timeout=60,
+    )
+    try:
+        (got,) = backend.extract([Sample("long", ids, torch.ones_like(ids))])
+    finally:
+        backend.close()
+    mine = sorted(n for n in os.listdir(dump_dir) if n.startswith(backend.rid_prefix))
+    assert [int(n.rsplit(".", 2)[1]) for n in mine] == list(range(0, len(ids), CHUNK)), mine
+    assert torch.equal(got.input_ids, ids) and got.hidden_state.shape == (len(ids), 128)
+    for name in mine:
+        os.unlink(os.path.join(dump_dir, name))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_nothing_is_left_in_the_dump_directory(arch, work):
+    """After the run and the server's stop, every file the hook wrote has been read and removed."""
+    dump_dir = work / f"dumps-{arch}"
+    assert dump_dir.is_dir(), "the server test did not run"
+    left = sorted(os.listdir(dump_dir))
+    assert not left, (
+        f"{len(left)} files left in {dump_dir} that no client will read or remove "
+        f"(requests the client did not send were dumped): {left[:6]}"
+    )
+
+
+def test_radix_cache_server_is_refused_before_any_sample(work, models, patched):
+    """SGLang serves a cached prefix without computing it, so its states are never dumped: the
+    client must refuse such a server at start (a preflight naming the flag), before any request -
+    not fail sample after sample (each retry finds its own first attempt's prefix cached), and
+    never write a shard of short states."""
+    out = work / "sglang-llama-radix"
+    with serve(models["llama"], work, "radix", radix_cache=True) as srv:
+        done, _ = extract(work, models["llama"], out, srv, check=False)
+    said = done.stdout + done.stderr
+    done_samples = load_index(str(out)) if (out / "index.jsonl").exists() else {}
+    short = []
+    for sample_id, entry in done_samples.items():  # whatever got through must be whole
+        shard = torch.load(out / entry.path, weights_only=True)
+        if shard["hidden_state"].shape[-2] != shard["input_ids"].shape[-1]:
+            short.append(sample_id)
+    assert not short, f"short states written for {short}"
+    assert done.returncode != 0, said[-3000:]
+    errors = out / "errors.jsonl"
+    failed = [json.loads(line) for line in errors.read_text().splitlines()] if errors.exists() else []
+    failed = [e for e in failed if e.get("kind") == "sample"]
+    assert "--disable-radix-cache" in said and not done_samples and not failed, (
+        f"rc {done.returncode}: {len(done_samples)} samples written, {len(failed)} failed one by one "
+        f"(first: {failed[0]['reason'] if failed else None}); the client has no preflight for the "
+        f"radix cache:\n{said[-2000:]}"
+    )
+
+
+def test_zz_figures():
+    """Not a check: prints what the runs above measured (pytest -s)."""
+    print("\nSGLANG-CPU FIGURES " + json.dumps(FIGURES, sort_keys=True))
