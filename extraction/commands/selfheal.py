@@ -47,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--settle", type=float, default=60.0, help="seconds to wait for other nodes' alerts before deciding")
     r.add_argument("--no-verify", action="store_true", help="act on the alert's claim without checking it")
     r.add_argument("--exporter-port", type=int, default=9100)
+    r.add_argument("--progress-window", type=int, default=120,
+                   help="a recovery's claim does not hold when the job, alive, made progress this many seconds ago "
+                        "(keep it below the stall alert's threshold)")
     r.add_argument("--breaker-share", type=float, default=pol.Policy.share,
                    help="the breaker opens when MORE than this share of the extraction nodes ...")
     r.add_argument("--breaker-min-nodes", type=int, default=pol.Policy.min_nodes, help="... and at least this many")
@@ -86,7 +89,8 @@ def run_remedy(args: argparse.Namespace) -> int:
         host=args.host, remedy=args.remedy, alert=args.alert, project_dir=args.project_dir.resolve(),
         inventories=args.inventory, playbook=args.playbook or remedy_mod.REMEDY_PLAYBOOKS[args.remedy],
         report_dir=args.report_dir, max_failures=args.max_failures, settle_s=args.settle, state_dir=args.state_dir,
-        textfile_dir=args.textfile_dir, verify=not args.no_verify, exporter_port=args.exporter_port)
+        textfile_dir=args.textfile_dir, verify=not args.no_verify, exporter_port=args.exporter_port,
+        progress_window_s=args.progress_window)
     try:
         return remedy_mod.run(req, policy)
     except (ledger_mod.LedgerError, OSError) as exc:

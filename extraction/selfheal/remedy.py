@@ -48,6 +48,7 @@ class Request:
     textfile_dir: str | None
     verify: bool = True
     exporter_port: int = 9100
+    progress_window_s: int = 120  # a job that made progress this recently, alive, is left alone
 
 
 def log(msg: str) -> None:
@@ -157,7 +158,7 @@ def run(req: Request, policy: pol.Policy) -> int:
 def _verify_decide_act(req: Request, policy: pol.Policy, ledger: ledger_mod.Ledger, rid: str, nodes: list[str]) -> int:
 
     check = (verify(req.project_dir, req.inventories, req.host, req.remedy, env=_env(req),
-                    exporter_port=req.exporter_port) if req.verify
+                    exporter_port=req.exporter_port, progress_window_s=req.progress_window_s) if req.verify
              else Verification(f"{pol.FINDING_CONFIRMED}: not verified (verification off)"))
     log(f"verification: {check.finding}")
     now = time.time()

@@ -51,9 +51,15 @@ def judge(result: dict[str, Any]) -> Verification:
         return Verification(f"{FINDING_UNREACHABLE}: {host} answers neither SSH nor its node_exporter", unanswering)
     if not result.get("answers"):
         return Verification(f"{FINDING_UNREACHABLE}: {host} does not answer over SSH")
+    if result.get("error"):
+        return Verification(f"{FINDING_UNVERIFIED}: {host}'s job could not be read: {result['error']}")
     status, storage = result.get("status") or {}, result.get("storage") or {}
     if storage.get("probed") and not storage.get("writable"):
         return Verification(f"{FINDING_STORAGE}: the output on {host} is not writable: {storage.get('error') or '?'}")
+    age, uptime = status.get("status_age_s"), status.get("uptime_s")
+    if isinstance(age, int | float) and isinstance(uptime, int | float) and age > uptime:
+        return Verification(f"{FINDING_CONFIRMED}: {host}'s job status predates the host's boot "
+                            f"({age:.0f} s old, up {uptime:.0f} s): no job of this boot runs")
     if status.get("making_progress"):
         return Verification(f"{FINDING_NOT_CONFIRMED}: {host}'s job is making progress "
                             f"(state {status.get('state')}, {status.get('done')} done)")
@@ -62,14 +68,15 @@ def judge(result: dict[str, Any]) -> Verification:
 
 
 def verify(project_dir: Path, inventories: list[str], host: str, claim: str, *, env: dict[str, str],
-           exporter_port: int = 9100, timeout_s: float = 300) -> Verification:
+           exporter_port: int = 9100, progress_window_s: int = 120, timeout_s: float = 300) -> Verification:
     """Run the verification play on the real inventory and judge its result."""
     playbook = project_dir / "playbooks" / "selfheal_verify.yml"
     with tempfile.TemporaryDirectory(prefix="hsx-selfheal-verify.") as d:
         out = Path(d) / "result.json"
         argv = ["ansible-playbook", str(playbook), *[a for inv in inventories for a in ("-i", inv)],
                 "-e", json.dumps({"hsx_verify_claim": claim, "hsx_verify_host": host, "hsx_verify_result": str(out),
-                                  "hsx_verify_exporter_port": exporter_port})]
+                                  "hsx_verify_exporter_port": exporter_port,
+                                  "hsx_verify_progress_window": progress_window_s})]
         try:
             run = subprocess.run(argv, cwd=project_dir, env=env, capture_output=True, text=True, timeout=timeout_s)
         except (OSError, subprocess.TimeoutExpired) as exc:

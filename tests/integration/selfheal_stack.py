@@ -106,6 +106,7 @@ def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Pa
                                                          "hsx_selfheal_inventory": ":".join(inventory),
                                                          "hsx_selfheal_max_failures": MAX_FAILURES,
                                                          "hsx_selfheal_settle": SETTLE_S,
+                                                         "hsx_selfheal_progress_window": STALL_S // 2,
                                                          "hsx_selfheal_state_dir": str(d / "selfheal-state"),
                                                          "hsx_selfheal_textfile_dir": str(d), **(brakes or {})}))
     # The rulebook's inventory (it copies it, and reads only the host names from it): a static list.

@@ -175,3 +175,23 @@ def test_a_host_the_loop_took_over_is_not_acted_on_again() -> None:
     assert not d.act and "was taken over" in d.why and "hsx selfheal resume --host n1" in d.why
     assert 'hsx_selfheal_host_retired{hsx_host="n1"} 1' in promtext.render(s, T)
     assert pol.decide(s, P, T + 1, "n2", 8).act
+
+
+def test_the_verifications_findings() -> None:
+    from extraction.selfheal.verify import judge
+
+    base = {"claim": "recover", "host": "n1", "answers": True, "storage": {"probed": True, "writable": True}}
+    alive = {"state": "running", "done": 7, "making_progress": True, "pid_alive": True, "status_age_s": 3, "uptime_s": 900}
+    assert judge(base | {"status": alive}).category == "not-confirmed"  # a forged or stale alert: nothing runs
+    # The same status from before the boot (its pid reused since): no job of this boot runs.
+    assert "predates the host's boot" in judge(base | {"status": alive | {"status_age_s": 950}}).finding
+    assert judge(base | {"status": alive | {"making_progress": False}}).category == "confirmed"
+    ro = base | {"status": alive, "storage": {"probed": True, "writable": False, "error": "Read-only file system"}}
+    assert judge(ro).finding == "storage: the output on n1 is not writable: Read-only file system"
+    assert judge(base | {"answers": False}).category == "unreachable"
+    down = {"claim": "takeover", "host": "n1", "answers": False, "exporter_up": False, "nodes": ["n1", "n2", "n3"],
+            "answering": ["n2"]}
+    v = judge(down)
+    assert v.category == "unreachable" and v.unanswering == ["n1", "n3"]
+    assert judge(down | {"exporter_up": True}).category == "not-confirmed"
+    assert judge(down | {"answers": True}).category == "not-confirmed"
