@@ -281,10 +281,11 @@ def render(hosts: list[HostStatus], out: TextIO = sys.stdout) -> None:
         r = h.result
         done, total = done_total(h) or (r.get("done"), r.get("total"))
         pct = f" {100 * done / total:5.1f}%" if r and total else ""
+        idle = h.mark == TAKEN_OVER  # its stale rate and ETA are no one's
         cells = (
             f"{done}/{total if total is not None else '?'}{pct}" if r else "-",
-            f"{float(r.get('samples_per_s') or 0):.2f}" if r else "-",
-            format_eta(r.get("eta_s")) if r else "-",
+            f"{float(r.get('samples_per_s') or 0):.2f}" if r and not idle else "-",
+            format_eta(r.get("eta_s")) if r and not idle else "-",
             _age(r.get("last_progress_age_s")) if r else "-",
         )
         mark = f"{h.mark}: {h.reason}" if h.mark and h.reason else h.mark
