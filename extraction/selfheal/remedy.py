@@ -102,7 +102,7 @@ def _report_stage(report_dir: str, host: str, since: float) -> str | None:
         data = json.loads(newest.read_text())
     except (OSError, ValueError):
         return None
-    stage = data.get("failed_stage") or data.get("stage")
+    stage = data.get("failed_step")  # extraction/fleet/report.py: the stage a failed host stopped at
     return stage if isinstance(stage, str) else None
 
 

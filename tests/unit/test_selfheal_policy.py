@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,13 @@ def test_the_verifications_findings() -> None:
     assert v.category == "unreachable" and v.unanswering == ["n1", "n3"]
     assert judge(down | {"exporter_up": True}).category == "not-confirmed"
     assert judge(down | {"answers": True}).category == "not-confirmed"
+
+
+def test_a_failed_recoverys_stage_is_read_from_its_report(tmp_path: Path) -> None:
+    from extraction.selfheal.remedy import _report_stage
+
+    (tmp_path / "20261207T000000Z").mkdir()
+    (tmp_path / "20261207T000000Z" / "n1.json").write_text(json.dumps({"host": "n1", "ok": False, "failed_step": "storage"}))
+    assert _report_stage(str(tmp_path), "n1", 0) == "storage"
+    assert _report_stage(str(tmp_path), "n1", time.time() + 60) is None  # written before the remedy started
+    assert _report_stage(str(tmp_path), "n2", 0) is None
