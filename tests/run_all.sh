@@ -118,7 +118,13 @@ stage "lint: ruff" .venv/bin/ruff check .
 stage "lint: ansible-lint (production profile)" .venv/bin/ansible-lint --profile production -q
 ignores=()
 for t in "${lane2_tests[@]}" "$collection_tests" "${lane3_tests[@]}"; do ignores+=(--ignore="$t"); done
-stage "pytest: unit + integration" .venv/bin/pytest tests/unit tests/integration -q -p no:cacheprovider \
+# The released SGLang server on this CPU (#49, tests/integration/test_sglang_cpu.py) is not in make test
+# yet: it needs its own 7.4 GB venv (make sglang-cpu: about 6 min once per machine) and 3.5-8 min of a
+# lane, which must come back from the stand-in runs it is to replace (docs/benchmarks.md "SGLang on the
+# CPU"). Run it: make sglang-cpu && .venv/bin/pytest tests/integration/test_sglang_cpu.py. Its stand-in
+# kernel and tiny models' own tests (tests/sglang_cpu) run here.
+ignores+=(--ignore=tests/integration/test_sglang_cpu.py)
+stage "pytest: unit + integration" .venv/bin/pytest tests/unit tests/sglang_cpu tests/integration -q -p no:cacheprovider \
     --durations=12 --junitxml=.cache/pytest-lane.xml "${ignores[@]}"
 .venv/bin/python tests/junit_modules.py .cache/pytest-lane.xml
 stage "collection: ansible-test sanity" tools/collection/sanity.sh
