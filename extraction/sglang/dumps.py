@@ -394,7 +394,7 @@ def remove_request(directory: str, rid: str) -> int:
 
 # ---------------------------------------------------------------- what a crash leaves
 
-RID_PREFIX = "hsx-"  # every rid our client sends starts with it: "hsx-<client token>-<sample>-<attempt>"
+RID_PREFIX = fmt.RID_PREFIX  # every rid our client sends starts with it (the hook dumps no other)
 _TEMP = re.compile(r"\.(.+)\.(\d+)\.tmp")  # the hook's temp: .<dump or marker name>.<server pid>.tmp
 _PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT: a larger number is no process id
 

@@ -12,6 +12,9 @@ docs/sglang_hook.md in the hsx repository. The contracts:
   when the hook owns capture, SGLang's own when EAGLE-3/DFlash set the list) and hands each prefill
   pass (EXTEND/MIXED, attention-TP rank 0) to one writer thread. It waits only while the dumps in
   flight fill HSX_DUMP_BUDGET_MB (back-pressure: a dump is never dropped, never partial).
+- Only requests of the client are dumped: rid starting with hsx_dump_format.RID_PREFIX. SGLang's
+  own (GET /health's HEALTH_CHECK_<hex>, the start-up warm-up) are skipped, their rows left in
+  place; a pass with none of the client's costs nothing (no copy, no writer).
 - To the client: per request and prefill piece, `<rid>.<offset>.pt` (format hsx-sglang-dump/2: a
   JSON header, then each tensor's raw bytes at a page boundary: hsx_dump_format.py beside it), visible only
   complete (temp name + rename), or a `<rid>.<offset>.failed` marker holding why it was not
@@ -439,6 +442,9 @@ class DumpHook:
             raise ValueError(
                 f"{len(rids)} rids but {len(seq_lens)} extend lengths, {len(prefix_lens)} prefixes"
             )
+        ours = [str(rid).startswith(fmt.RID_PREFIX) for rid in rids]
+        if not any(ours):  # SGLang's own (/health's HEALTH_CHECK_<hex>, the warm-up): no client reads them
+            return
         total = sum(seq_lens)
         input_ids = forward_batch.input_ids
         layer_ids = list(self.owned if owned else self.model.layers_to_capture)
@@ -470,12 +476,12 @@ class DumpHook:
             if hidden_states.is_cuda:
                 sources, finite = self._copy_to_host(sources, job)
             start = 0  # a pass's rows are contiguous per request, in rids order
-            for rid, n, offset in zip(rids, seq_lens, prefix_lens, strict=True):
-                rows = [t[start : start + n] for t in sources]
-                job.pieces.append(
-                    _Piece(str(rid), offset, rows, None if finite is None else finite[start : start + n])
-                )
-                start += n
+            for rid, n, offset, mine in zip(rids, seq_lens, prefix_lens, ours, strict=True):
+                if mine:
+                    rows = [t[start : start + n] for t in sources]
+                    finite_rows = None if finite is None else finite[start : start + n]
+                    job.pieces.append(_Piece(str(rid), offset, rows, finite_rows))
+                start += n  # another's rows are skipped in place
         except BaseException:
             # The room goes back, or the next pass would wait forever. Copies already queued into
             # the dropped pinned tensors are harmless: the caching host allocator notes the stream

@@ -6,6 +6,7 @@ beside this file as `sglang/hsx_dump_hook.py`) writes with `write_dump`; the cli
 only at module level, torch imported lazily (this file runs inside SGLang too).
 
 The contract, format hsx-sglang-dump/2, one file per request and prefill piece:
+- which requests: those whose rid starts with RID_PREFIX (the client's), no others;
 - names: `<rid_stem(rid)>.<offset:09d>.pt` (`dump_name`), or `<...>.failed` (`failed_name`): the
   marker the hook leaves, holding why the piece was not written;
 - bytes: DUMP_HEAD (magic DUMP_MAGIC, then the JSON header's length), the JSON header, then each
@@ -49,6 +50,10 @@ HEADER_FIELDS: dict[str, type] = {
 }
 FINITE_FIELD = "finite"  # optional bool: the hook's NaN/Inf check of the piece's states
 FAILED_SUFFIX = ".failed"
+# Every rid our client sends starts with it ("hsx-<client token>-<sample>-<attempt>"): the hook dumps
+# those requests only (SGLang's own, GET /health's HEALTH_CHECK_<hex> and the warm-up's, are no
+# client's to read or remove), and the client's sweep (dumps.stale_names) touches no other name.
+RID_PREFIX = "hsx-"
 # A file of ours, created here or not at all: never through a link, never an existing FIFO.
 NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _SAFE_RID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # fullmatch: "$" would let a trailing newline in

@@ -148,7 +148,7 @@ def plan_passes(args) -> list[list[tuple[str, int, int]]]:
         done = 0
         while done < total:
             n = min(room, total - done)
-            cur.append((f"req{r}", done, n))
+            cur.append((f"hsx-req{r}", done, n))
             done += n
             room -= n
             if room == 0:

@@ -80,7 +80,7 @@ def make_passes(args, device: str):
     piece = -(-args.tokens // args.chunks)
     for r in range(args.requests):
         for off in range(0, args.tokens, piece):
-            todo.append((f"req{r}", off, min(piece, args.tokens - off)))
+            todo.append((f"hsx-req{r}", off, min(piece, args.tokens - off)))
     passes, cur = [], []
     for item in todo:
         if cur and sum(n for _, _, n in cur) + item[2] > args.pass_tokens:

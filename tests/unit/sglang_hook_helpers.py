@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sglang_wheels  # noqa: E402
 
 LAYERS = [1, 3, 4]
-LENGTHS = {"req-a": 5, "req-b": 17, "req-c": 9}
+LENGTHS = {"hsx-req-a": 5, "hsx-req-b": 17, "hsx-req-c": 9}
 
 
 class ForwardMode(enum.IntEnum):  # the names SGLang's ForwardMode uses

@@ -33,10 +33,10 @@ def test_ragged_and_chunked_dumps_equal_hf_hidden_states(attached, states, form)
     model, out = attached
     assert model.layers_to_capture == LAYERS
     # pass 1: a whole, and the first 7 tokens of b; pass 2: the rest of b, and c whole
-    r1, _ = forward(model, [("req-a", 0, 5), ("req-b", 0, 7)], states, form)
-    r2, _ = forward(model, [("req-b", 7, 17), ("req-c", 0, 9)], states, form)
+    r1, _ = forward(model, [("hsx-req-a", 0, 5), ("hsx-req-b", 0, 7)], states, form)
+    r2, _ = forward(model, [("hsx-req-b", 7, 17), ("hsx-req-c", 0, 9)], states, form)
     assert len(r1) == 0 and len(r2) == 0  # the hook owns capture: the model returns no aux states
-    assert len(list(out.glob("req-b.*.pt"))) == 2
+    assert len(list(out.glob("hsx-req-b.*.pt"))) == 2
     for f in out.glob("*.pt"):  # each file holds its own rows only, not the batch's storage
         record = dumps._load(str(f), f.name.split(".")[0])
         rows = sum(record[k].nbytes for k in dumps._KEYS)
@@ -50,16 +50,16 @@ def test_ragged_and_chunked_dumps_equal_hf_hidden_states(attached, states, form)
         assert torch.equal(got.aux_hidden_state, torch.cat([hs[i] for i in LAYERS], dim=-1))
         assert got.layer_ids == LAYERS and got.capture_owner == hook.OWNER_HOOK
         assert got.sglang_version == "0.5.23"
-        assert got.pieces == (2 if rid == "req-b" else 1)
+        assert got.pieces == (2 if rid == "hsx-req-b" else 1)
 
 
 def test_eagle3_capture_is_passed_through(attached, states, form):
     model, out = attached
     model.layers_to_capture = [2, 4]  # what set_eagle3_layers_to_capture does: a new list
-    returned, aux = forward(model, [("req-a", 0, 5), ("req-c", 0, 9)], states, form)
+    returned, aux = forward(model, [("hsx-req-a", 0, 5), ("hsx-req-c", 0, 9)], states, form)
     assert returned is aux  # SGLang's own aux states go back untouched
-    got = dumps.read_request(str(out), "req-c", expected_len=9)
-    hs = states["req-c"][1]
+    got = dumps.read_request(str(out), "hsx-req-c", expected_len=9)
+    hs = states["hsx-req-c"][1]
     assert got.layer_ids == [2, 4] and got.capture_owner == hook.OWNER_SGLANG
     assert torch.equal(got.aux_hidden_state, torch.cat([hs[2], hs[4]], dim=-1))
 
@@ -67,30 +67,30 @@ def test_eagle3_capture_is_passed_through(attached, states, form):
 def test_only_prefill_on_rank_zero_is_dumped(attached, states):
     model, out = attached
     for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE):
-        forward(model, [("req-a", 0, 1)], states, "list", mode=mode)
+        forward(model, [("hsx-req-a", 0, 1)], states, "list", mode=mode)
     assert not list(out.iterdir())
     model._hsx_dump.rank = 1
-    forward(model, [("req-a", 0, 5)], states, "list")
+    forward(model, [("hsx-req-a", 0, 5)], states, "list")
     assert not list(out.iterdir())
     model._hsx_dump.rank = 0
-    forward(model, [("req-a", 0, 5)], states, "list", mode=ForwardMode.MIXED)
-    assert [p.name for p in out.iterdir()] == ["req-a.000000000.pt"]
+    forward(model, [("hsx-req-a", 0, 5)], states, "list", mode=ForwardMode.MIXED)
+    assert [p.name for p in out.iterdir()] == ["hsx-req-a.000000000.pt"]
 
 
 def test_gaps_and_missing_prefix_are_refused(attached, states):
     model, out = attached
-    forward(model, [("req-b", 0, 7)], states, "list")
+    forward(model, [("hsx-req-b", 0, 7)], states, "list")
     with pytest.raises(dumps.DumpError, match="cover 7 tokens, expected 17"):
-        dumps.read_request(str(out), "req-b", expected_len=17)
-    forward(model, [("req-b", 9, 17)], states, "list")
-    with pytest.raises(dumps.DumpError, match="gap in request 'req-b': piece starts at 9, expected 7"):
-        dumps.read_request(str(out), "req-b")
-    (out / hsx_dump_format.dump_name("req-b", 0)).unlink()
+        dumps.read_request(str(out), "hsx-req-b", expected_len=17)
+    forward(model, [("hsx-req-b", 9, 17)], states, "list")
+    with pytest.raises(dumps.DumpError, match="gap in request 'hsx-req-b': piece starts at 9, expected 7"):
+        dumps.read_request(str(out), "hsx-req-b")
+    (out / hsx_dump_format.dump_name("hsx-req-b", 0)).unlink()
     with pytest.raises(dumps.DumpError, match="starts at token 9, not 0"):
-        dumps.read_request(str(out), "req-b")
-    assert dumps.remove_request(str(out), "req-b") == 1
+        dumps.read_request(str(out), "hsx-req-b")
+    assert dumps.remove_request(str(out), "hsx-req-b") == 1
     with pytest.raises(dumps.DumpError, match="no dump"):
-        dumps.read_request(str(out), "req-b")
+        dumps.read_request(str(out), "hsx-req-b")
 
 
 def test_bad_batches_never_raise_and_log_once(attached, states, caplog, monkeypatch):
@@ -104,7 +104,7 @@ def test_bad_batches_never_raise_and_log_once(attached, states, caplog, monkeypa
         model.layers_to_capture = [2]
         short = SimpleNamespace(
             forward_mode=ForwardMode.EXTEND,
-            rids=["x"],
+            rids=["hsx-x"],
             extend_seq_lens_cpu=[3],
             extend_prefix_lens_cpu=[0],
             input_ids=torch.zeros(2, dtype=torch.long),
@@ -167,10 +167,10 @@ def test_patch_lines_call_the_deployed_hook_and_tolerate_its_absence(tmp_path, s
     _exec_line("init", {"self": model})
     assert type(model._hsx_dump).__module__ == sglang_patch.HOOK_MODULE
     assert model.layers_to_capture == LAYERS
-    ids, hs = states["req-a"]
+    ids, hs = states["hsx-req-a"]
     batch = SimpleNamespace(
         forward_mode=ForwardMode.EXTEND,
-        rids=["req-a"],
+        rids=["hsx-req-a"],
         extend_seq_lens_cpu=[5],
         extend_prefix_lens_cpu=[0],
         input_ids=ids,
@@ -184,7 +184,7 @@ def test_patch_lines_call_the_deployed_hook_and_tolerate_its_absence(tmp_path, s
     _exec_line("forward", ns)
     assert ns["aux_hidden_states"] == []
     assert model._hsx_dump.flush(30)
-    got = dumps.read_request(str(dump_dir), "req-a", expected_len=5)
+    got = dumps.read_request(str(dump_dir), "hsx-req-a", expected_len=5)
     assert torch.equal(got.hidden_state, hs[-1])
 
 
@@ -222,7 +222,7 @@ def test_dumps_hold_exactly_what_the_synchronous_hook_wrote(attached, states, fo
     on the CUDA path with torch.cuda faked (pinned copies)."""
     model, out = attached
     ref = tmp_path_factory.mktemp("reference")
-    for pieces in ([("req-a", 0, 5), ("req-b", 0, 7)], [("req-b", 7, 17), ("req-c", 0, 9)]):
+    for pieces in ([("hsx-req-a", 0, 5), ("hsx-req-b", 0, 7)], [("hsx-req-b", 7, 17), ("hsx-req-c", 0, 9)]):
         batch, final, _ = _batch(pieces, states)
 
         def collect(wrap, pieces=pieces):
@@ -260,7 +260,7 @@ def test_cpu_states_are_kept_not_copied_and_not_mutated(attached, states, monkey
     model, out = attached
     hk = model._hsx_dump
     gate = Gate(hk, monkeypatch)
-    pieces = [("req-a", 0, 5), ("req-b", 0, 7)]
+    pieces = [("hsx-req-a", 0, 5), ("hsx-req-b", 0, 7)]
     batch, final, aux_list = _batch(pieces, states)
     packed = torch.cat(aux_list, dim=-1)  # the packer form: one [tokens, k*H] tensor
     packer = _packer(packed)
@@ -280,7 +280,7 @@ def test_cpu_states_are_kept_not_copied_and_not_mutated(attached, states, monkey
     batch.input_ids.fill_(0)  # the batch's ids are SGLang's to reuse: the hook took a copy
     gate.open.set()
     assert hk.flush(30)
-    for rid, s, n in (("req-a", 0, 5), ("req-b", 5, 7)):
+    for rid, s, n in (("hsx-req-a", 0, 5), ("hsx-req-b", 5, 7)):
         got = dumps.read_request(str(out), rid)
         assert torch.equal(got.hidden_state, snapshot[0][s : s + n])
         assert torch.equal(got.aux_hidden_state, snapshot[1][s : s + n])
@@ -288,7 +288,7 @@ def test_cpu_states_are_kept_not_copied_and_not_mutated(attached, states, monkey
     assert hk.stats()["held_bytes"] == 0
 
     # a packed buffer SGLang hands every pass (a decode graph's aux buffer) is copied, not kept
-    batch, final, aux_list = _batch([("req-c", 0, 9)], states)
+    batch, final, aux_list = _batch([("hsx-req-c", 0, 9)], states)
     buffer = torch.cat(aux_list, dim=-1)
     batch.aux_hidden_states_buffer = buffer
     want = buffer.clone()
@@ -299,6 +299,41 @@ def test_cpu_states_are_kept_not_copied_and_not_mutated(attached, states, monkey
     buffer.fill_(0)  # the next pass writes into it
     gate.open.set()
     assert hk.flush(30)
-    assert torch.equal(dumps.read_request(str(out), "req-c", expected_len=9).aux_hidden_state, want)
+    assert torch.equal(dumps.read_request(str(out), "hsx-req-c", expected_len=9).aux_hidden_state, want)
 
 
+
+
+def test_only_requests_of_our_client_are_dumped(attached, states, monkeypatch):
+    """SGLang sends requests of its own through the same forward: GET /health runs a one-token
+    generate (rid HEALTH_CHECK_<hex>), the start-up warm-up one /generate (a uuid rid). No client
+    of ours reads or sweeps their files (dumps.stale_names touches RID_PREFIX rids only), so
+    dumping them leaves a file in the RAM directory for good: only RID_PREFIX rids are dumped, the
+    rows of the others skipped in place, and a pass with none of ours costs nothing."""
+    model, out = attached
+    hk = model._hsx_dump
+    assert hsx_dump_format.RID_PREFIX == dumps.RID_PREFIX == "hsx-"
+    batch, final, aux = _batch([("hsx-req-a", 0, 5), ("hsx-req-b", 0, 7), ("hsx-req-c", 0, 9)], states)
+    batch.rids = ["HEALTH_CHECK_5f0c2a9e", "hsx-req-b", "hsx-req-c"]
+    assert hk.after_forward(batch, final, aux) == []
+    assert hk.flush(30)
+    assert sorted(p.name for p in out.iterdir()) == ["hsx-req-b.000000000.pt", "hsx-req-c.000000000.pt"]
+    for rid, n in (("hsx-req-b", 7), ("hsx-req-c", 9)):  # their own rows, after the skipped ones
+        got = dumps.read_request(str(out), rid, expected_len=n)
+        assert torch.equal(got.input_ids, states[rid][0][:n])
+        assert torch.equal(got.hidden_state, states[rid][1][-1][:n])
+        assert torch.equal(got.aux_hidden_state, torch.cat([states[rid][1][i][:n] for i in LAYERS], -1))
+    dumps.remove_request(str(out), "hsx-req-b")
+    dumps.remove_request(str(out), "hsx-req-c")
+
+    def untouched(*args):
+        raise AssertionError("a pass with no request of ours reached the writer")
+
+    monkeypatch.setattr(hk.writer, "admit", untouched)
+    monkeypatch.setattr(hk.writer, "submit", untouched)
+    batch, final, aux = _batch([("hsx-req-a", 0, 5), ("hsx-req-c", 0, 9)], states)
+    batch.rids = ["HEALTH_CHECK_77aa01", "0f4e1d2c3b4a59687766554433221100"]  # health, warm-up
+    dumped = hk.stats()["dumped"]
+    assert hk.after_forward(batch, final, aux) == []
+    assert hk.flush(30)
+    assert list(out.iterdir()) == [] and hk.stats()["dumped"] == dumped

@@ -29,11 +29,11 @@ def test_cuda_path_copies_on_a_side_stream_and_the_writer_waits_for_them(attache
     hk = model._hsx_dump
     cuda = FakeCuda(monkeypatch)
     cuda.capturing = True  # a CUDA graph being captured: not dumped, nothing taken
-    assert hk.after_forward(*_on_device([("req-a", 0, 5)], states)) == []
+    assert hk.after_forward(*_on_device([("hsx-req-a", 0, 5)], states)) == []
     assert hk.flush(30) and not cuda.calls and not list(out.iterdir()) and hk.stats()["held_bytes"] == 0
     cuda.capturing = False
     gate = Gate(hk, monkeypatch)
-    batch, final, aux = _on_device([("req-a", 0, 5), ("req-b", 0, 7)], states)
+    batch, final, aux = _on_device([("hsx-req-a", 0, 5), ("hsx-req-b", 0, 7)], states)
     sources = [final, batch.input_ids, *aux]
     assert hk.after_forward(batch, final, aux) == []
     assert gate.entered.wait(5)  # the writer is saving the first piece
@@ -51,10 +51,10 @@ def test_cuda_path_copies_on_a_side_stream_and_the_writer_waits_for_them(attache
     assert cuda.calls == want
     assert cuda.pinned == [(final.shape[0],)] + [tuple(t.shape) for t in sources]
     assert cuda.ran == len(sources) + 1  # every copy had run before the first save
-    assert torch.equal(gate.records[0]["hidden_state"], states["req-a"][1][-1])
+    assert torch.equal(gate.records[0]["hidden_state"], states["hsx-req-a"][1][-1])
     gate.open.set()
     assert hk.flush(30) and hk.failed == 0 and hk.stats()["held_bytes"] == 0
-    for rid, n in (("req-a", 5), ("req-b", 7)):
+    for rid, n in (("hsx-req-a", 5), ("hsx-req-b", 7)):
         got = dumps.read_request(str(out), rid, expected_len=n)
         hs = states[rid][1]
         assert torch.equal(got.hidden_state, hs[-1][:n])
@@ -69,10 +69,10 @@ def test_cuda_path_waits_for_room_and_an_oversize_pass_goes_alone(tmp_path, stat
     hk = hook.attach(_model(), env)
     turn = Turnstile(hk, monkeypatch)
     held = lambda: hk.stats()["held_bytes"]  # noqa: E731
-    a = _on_device([("req-a", 0, 5), ("req-b", 0, 7)], states)  # 6240 bytes
-    c = _on_device([("req-a", 0, 5)], states, rids=["late-a"])  # 2600: fits, but not beside a
-    big = _on_device([("req-b", 7, 17), ("req-c", 0, 9)], states)  # 9880: more than the budget
-    d = _on_device([("req-c", 0, 9)], states, rids=["late-c"])  # 4680
+    a = _on_device([("hsx-req-a", 0, 5), ("hsx-req-b", 0, 7)], states)  # 6240 bytes
+    c = _on_device([("hsx-req-a", 0, 5)], states, rids=["hsx-late-a"])  # 2600: fits, but not beside a
+    big = _on_device([("hsx-req-b", 7, 17), ("hsx-req-c", 0, 9)], states)  # 9880: more than the budget
+    d = _on_device([("hsx-req-c", 0, 9)], states, rids=["hsx-late-c"])  # 4680
     assert hk.after_forward(*a) == []  # room: returns at once
     assert turn.entered.acquire(timeout=5) and held() == 6240
     t, _ = _in_thread(hk.after_forward, *c)
@@ -95,7 +95,7 @@ def test_cuda_path_waits_for_room_and_an_oversize_pass_goes_alone(tmp_path, stat
     assert not t.is_alive()
     assert hk.flush(30) and hk.dumped == 6 and hk.failed == 0 and held() == 0
     assert hk.stats()["waited_s"] > 0.9
-    written = {"req-a": "req-a", "req-b": "req-b", "req-c": "req-c", "late-a": "req-a", "late-c": "req-c"}
+    written = {"hsx-req-a": "hsx-req-a", "hsx-req-b": "hsx-req-b", "hsx-req-c": "hsx-req-c", "hsx-late-a": "hsx-req-a", "hsx-late-c": "hsx-req-c"}
     for rid, src in written.items():
         got = dumps.read_request(str(tmp_path), rid, expected_len=LENGTHS[src])
         assert torch.equal(got.hidden_state, states[src][1][-1]), rid
@@ -106,7 +106,7 @@ def test_cuda_copy_failure_gives_the_room_back(tmp_path, states, monkeypatch, ca
     monkeypatch.setattr(hook, "_logged", set())
     env = {hook.ENV_DIR: str(tmp_path), hook.ENV_LAYERS: "1,3,4", hook.ENV_BUDGET: "0.008"}
     hk = hook.attach(_model(), env)
-    a = _on_device([("req-a", 0, 5), ("req-b", 0, 7)], states)  # 6240 bytes: two do not fit together
+    a = _on_device([("hsx-req-a", 0, 5), ("hsx-req-b", 0, 7)], states)  # 6240 bytes: two do not fit together
     cuda.fail_pinned_at = 2  # the first aux part's pinned memory, after two copies were queued
     with caplog.at_level(logging.WARNING, logger="hsx_dump_hook"):
         assert hk.after_forward(*a) == []  # never raises into SGLang
@@ -117,7 +117,7 @@ def test_cuda_copy_failure_gives_the_room_back(tmp_path, states, monkeypatch, ca
     assert not t.is_alive() and result["value"] == []
     assert hk.flush(30) and hk.dumped == 2 and hk.failed == 0 and hk.stats()["held_bytes"] == 0
     assert torch.equal(
-        dumps.read_request(str(tmp_path), "req-b", expected_len=7).hidden_state, states["req-b"][1][-1][:7]
+        dumps.read_request(str(tmp_path), "hsx-req-b", expected_len=7).hidden_state, states["hsx-req-b"][1][-1][:7]
     )
 
 

@@ -25,7 +25,7 @@ def test_after_forward_returns_before_the_dump_is_written(attached, states, monk
     model, out = attached
     hk = model._hsx_dump
     gate = Gate(hk, monkeypatch)
-    batch, final, aux = _batch([("req-a", 0, 5), ("req-b", 0, 7)], states)
+    batch, final, aux = _batch([("hsx-req-a", 0, 5), ("hsx-req-b", 0, 7)], states)
     t, result = _in_thread(hk.after_forward, batch, final, aux)
     try:
         t.join(5)
@@ -36,7 +36,7 @@ def test_after_forward_returns_before_the_dump_is_written(attached, states, monk
     finally:
         gate.open.set()
     assert hk.flush(30)
-    assert dumps.read_request(str(out), "req-a", expected_len=5).pieces == 1
+    assert dumps.read_request(str(out), "hsx-req-a", expected_len=5).pieces == 1
     assert hk.dumped == 2 and hk.stats()["held_bytes"] == 0
 
 
@@ -46,8 +46,8 @@ def test_full_budget_makes_after_forward_wait_and_drops_nothing(tmp_path, states
     hk = hook.attach(model, {hook.ENV_DIR: str(tmp_path), hook.ENV_LAYERS: "1,3,4", hook.ENV_BUDGET: "0.01"})
     assert hk is not None and hk.budget == int(0.01 * 2**20)
     gate = Gate(hk, monkeypatch)
-    b1, f1, a1 = _batch([("req-a", 0, 5), ("req-b", 0, 7)], states)
-    b2, f2, a2 = _batch([("req-b", 7, 17), ("req-c", 0, 9)], states)
+    b1, f1, a1 = _batch([("hsx-req-a", 0, 5), ("hsx-req-b", 0, 7)], states)
+    b2, f2, a2 = _batch([("hsx-req-b", 7, 17), ("hsx-req-c", 0, 9)], states)
     hk.after_forward(b1, f1, a1)  # room for it: returns at once
     assert gate.entered.wait(5)
     held = hk.stats()["held_bytes"]
@@ -85,16 +85,16 @@ def test_write_failures_are_logged_and_the_dump_missing(attached, states, caplog
     model, out = attached
     hk = model._hsx_dump
     monkeypatch.setattr(hook, "_logged", set())
-    batch, final, aux = _batch([("req-a", 0, 5)], states)
+    batch, final, aux = _batch([("hsx-req-a", 0, 5)], states)
     with caplog.at_level(logging.WARNING, logger="hsx_dump_hook"):
         shutil.rmtree(out)  # the dump directory removed under the server
         assert hk.after_forward(batch, final, aux) == []
         assert hk.flush(30)
-        assert "dump req-a.000000000.pt not written: FileNotFoundError: [Errno 2]" in caplog.text
+        assert "dump hsx-req-a.000000000.pt not written: FileNotFoundError: [Errno 2]" in caplog.text
         out.mkdir()
         assert not list(out.iterdir())  # neither a dump nor a marker: the client times out, asks again
         with pytest.raises(dumps.DumpError, match="no dump"):
-            dumps.read_request(str(out), "req-a", expected_len=5)
+            dumps.read_request(str(out), "hsx-req-a", expected_len=5)
 
         def disk_full(record, path):
             with open(path, "wb") as f:
@@ -102,21 +102,21 @@ def test_write_failures_are_logged_and_the_dump_missing(attached, states, caplog
             raise OSError(28, "No space left on device")
 
         monkeypatch.setattr(hk, "_save", disk_full)
-        batch, final, aux = _batch([("req-b", 0, 7), ("req-c", 0, 9)], states)
+        batch, final, aux = _batch([("hsx-req-b", 0, 7), ("hsx-req-c", 0, 9)], states)
         assert hk.after_forward(batch, final, aux) == []
         assert hk.flush(30)
     assert hk.failed == 3 and hk.dumped == 0
-    assert sorted(p.name for p in out.iterdir()) == ["req-b.000000000.failed", "req-c.000000000.failed"]
+    assert sorted(p.name for p in out.iterdir()) == ["hsx-req-b.000000000.failed", "hsx-req-c.000000000.failed"]
     with pytest.raises(dumps.DumpError, match="could not write this piece.*No space left on device"):
-        dumps.read_request(str(out), "req-b", expected_len=7)
+        dumps.read_request(str(out), "hsx-req-b", expected_len=7)
     t0 = time.monotonic()
     with pytest.raises(dumps.DumpWriteFailed, match="could not write"):
-        dumps.wait_request(str(out), "req-c", expected_len=9, timeout=20)
+        dumps.wait_request(str(out), "hsx-req-c", expected_len=9, timeout=20)
     assert time.monotonic() - t0 < 5  # a marker ends the wait at once
-    assert dumps.remove_request(str(out), "req-b") == 1 and dumps.remove_request(str(out), "req-c") == 1
+    assert dumps.remove_request(str(out), "hsx-req-b") == 1 and dumps.remove_request(str(out), "hsx-req-c") == 1
     monkeypatch.undo()  # the writer survived its failures: the next dump is written
-    forward(model, [("req-a", 0, 5)], states, "list")
-    assert dumps.read_request(str(out), "req-a", expected_len=5).pieces == 1
+    forward(model, [("hsx-req-a", 0, 5)], states, "list")
+    assert dumps.read_request(str(out), "hsx-req-a", expected_len=5).pieces == 1
 
 
 
@@ -133,7 +133,7 @@ def slow(record, path):
     real(record, path)
 hk._save = slow
 for i in range(4):
-    batch = types.SimpleNamespace(forward_mode=types.SimpleNamespace(name="EXTEND"), rids=[f"r{i}"],
+    batch = types.SimpleNamespace(forward_mode=types.SimpleNamespace(name="EXTEND"), rids=[f"hsx-r{i}"],
                                   extend_seq_lens_cpu=[64], extend_prefix_lens_cpu=[0], input_ids=torch.arange(64))
     hk.after_forward(batch, torch.full((64, 64), float(i)), [torch.full((64, 64), float(i))] * 3)
 print("taken", hk.dumped, flush=True)
@@ -157,9 +157,9 @@ def test_writer_drains_at_exit_and_a_kill_loses_only_dumps_in_flight(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "taken 0"  # all four taken before any was written ...
     for i in range(4):  # ... and all four written before the interpreter was gone
-        got = dumps.read_request(str(drained), f"r{i}", expected_len=64)
+        got = dumps.read_request(str(drained), f"hsx-r{i}", expected_len=64)
         assert torch.equal(got.hidden_state, torch.full((64, 64), float(i)))
-    assert sorted(p.name for p in drained.iterdir()) == [f"r{i}.000000000.pt" for i in range(4)]
+    assert sorted(p.name for p in drained.iterdir()) == [f"hsx-r{i}.000000000.pt" for i in range(4)]
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -171,13 +171,13 @@ def test_writer_drains_at_exit_and_a_kill_loses_only_dumps_in_flight(tmp_path):
     try:
         assert proc.stdout.readline().startswith("taken")
         deadline = time.monotonic() + 30
-        while not (killed / "r0.000000000.pt").exists() and time.monotonic() < deadline:
+        while not (killed / "hsx-r0.000000000.pt").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finals = sorted(p.name for p in killed.glob("*.pt"))
-    assert "r0.000000000.pt" in finals and len(finals) < 4  # in-flight dumps lost ...
+    assert "hsx-r0.000000000.pt" in finals and len(finals) < 4  # in-flight dumps lost ...
     for name in finals:  # ... but every dump in place is whole
         dumps.read_request(str(killed), name.split(".")[0], expected_len=64)
     assert all(p.name.startswith(".") for p in killed.iterdir() if not p.name.endswith(".pt"))
@@ -190,24 +190,24 @@ def test_wait_request_wakes_on_the_rename_and_times_out(attached, states, monkey
     assert watch.ok  # inotify on this machine: the wait below is woken, not polled
     watch.close()
     gate = Gate(hk, monkeypatch)
-    batch, final, aux = _batch([("req-b", 0, 7)], states)
+    batch, final, aux = _batch([("hsx-req-b", 0, 7)], states)
     hk.after_forward(batch, final, aux)
-    batch, final, aux = _batch([("req-b", 7, 17)], states)
+    batch, final, aux = _batch([("hsx-req-b", 7, 17)], states)
     hk.after_forward(batch, final, aux)
-    t, result = _in_thread(dumps.wait_request, str(out), "req-b", 17, 30.0)
+    t, result = _in_thread(dumps.wait_request, str(out), "hsx-req-b", 17, 30.0)
     t.join(0.3)
     assert t.is_alive()  # both pieces taken, none written yet
     gate.open.set()
     t.join(30)
     got = result["value"]
-    assert got.pieces == 2 and torch.equal(got.hidden_state, states["req-b"][1][-1])
+    assert got.pieces == 2 and torch.equal(got.hidden_state, states["hsx-req-b"][1][-1])
     t0 = time.monotonic()
-    with pytest.raises(dumps.DumpError, match=r"no dump for request 'req-x'.*\(waited 0.3s\)"):
-        dumps.wait_request(str(out), "req-x", 5, timeout=0.3)
+    with pytest.raises(dumps.DumpError, match=r"no dump for request 'hsx-req-x'.*\(waited 0.3s\)"):
+        dumps.wait_request(str(out), "hsx-req-x", 5, timeout=0.3)
     assert 0.3 <= time.monotonic() - t0 < 3
     monkeypatch.setattr(dumps._DirWatch, "ok", property(lambda self: False))  # no inotify: polls
-    forward(model, [("req-a", 0, 5)], states, "list", flush=False)
-    assert dumps.wait_request(str(out), "req-a", 5, timeout=30).pieces == 1
+    forward(model, [("hsx-req-a", 0, 5)], states, "list", flush=False)
+    assert dumps.wait_request(str(out), "hsx-req-a", 5, timeout=30).pieces == 1
 
 
 
@@ -226,9 +226,9 @@ def test_wait_request_works_with_a_descriptor_above_1023(tmp_path):
         watch = dumps._DirWatch(str(tmp_path))
         try:
             assert watch.ok and watch.fd > 1023
-            assert watch.wait("req-z.", 0.05) is False  # times out, no ValueError
-            os.rename(_touch(tmp_path / "x.tmp"), tmp_path / "req-z.000000000.pt")
-            assert watch.wait("req-z.", 5) is True
+            assert watch.wait("hsx-req-z.", 0.05) is False  # times out, no ValueError
+            os.rename(_touch(tmp_path / "x.tmp"), tmp_path / "hsx-req-z.000000000.pt")
+            assert watch.wait("hsx-req-z.", 5) is True
         finally:
             watch.close()
     finally:
