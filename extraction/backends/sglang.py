@@ -36,7 +36,9 @@ every endpoint but /health without it): the client sends `Authorization: Bearer 
 the config's api_key_file) on every request, and checks it at start on GET /model_info, which needs
 it: a missing or wrong key fails the start with what to fix instead of failing every sample. A 401 or
 403 later (the key was replaced and the server restarted) re-reads the file once; a key that is
-still refused fails the sample at once (SGLangAuthError), with no retry of its own.
+still refused fails the sample at once (SGLangAuthError), with no retry of its own. Then GET
+/server_info must say disable_radix_cache true (check_radix_cache): a server with its radix cache
+serves a repeated prefix without computing it, so every sample would fail on its own.
 
 When an attempt fails:
 - a `.failed` marker (the hook could not write a piece): asked again at once with a new rid, up to
@@ -171,6 +173,7 @@ class SGLangBackend:
         try:
             self.wait_healthy()
             self.check_key()
+            self.check_radix_cache()
         except BaseException:
             self.close()
             raise
@@ -233,6 +236,47 @@ class SGLangBackend:
             return
         if status in (401, 403):
             raise self._key_refused("checking the API key on GET /model_info", status)
+
+    def check_radix_cache(self) -> None:
+        """GET /server_info (every supported release serves it, behind the key: its server
+        arguments at the top level) must say `disable_radix_cache` true, else SGLangError naming
+        the flag and the server. With the radix cache a repeated prefix is served from the cache,
+        never computed, so the hook never sees its states: every sample would fail on its own
+        ("starts at token N, not 0"), each of its retries too. Asked once at start, after the
+        health wait (no second one); an answer that is not a JSON object saying true fails too."""
+        where = f"{self.url}/server_info"
+        fix = "start SGLang with --disable-radix-cache (roles/sglang_server's command line has it)"
+        req = urllib.request.Request(where, headers=self._headers(self.api_key))
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                body = resp.read(self.reply_max_bytes + 1)
+        except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403):
+                raise self._key_refused("checking the radix cache on GET /server_info", exc.code) from None
+            raise SGLangError(
+                f"{where} answered HTTP {exc.code}: cannot tell whether the server runs with "
+                f"--disable-radix-cache, which the dump needs; {fix}"
+            ) from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise SGLangError(
+                f"{where}: no answer ({getattr(exc, 'reason', exc)}): cannot tell whether the server "
+                f"runs with --disable-radix-cache, which the dump needs"
+            ) from None
+        try:
+            info = json.loads(body) if len(body) <= self.reply_max_bytes else None
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            raise SGLangError(
+                f"{where} answered {len(body)} bytes, not a JSON object of server arguments: cannot tell "
+                f"whether the server runs with --disable-radix-cache, which the dump needs"
+            )
+        if info.get("disable_radix_cache") is not True:
+            raise SGLangError(
+                f"{where} says disable_radix_cache {info.get('disable_radix_cache', 'missing')!r}: the server "
+                "runs with its radix cache, which serves a repeated prefix without computing it, so its "
+                f"states are never dumped and every sample would fail; {fix}"
+            )
 
     def wait_healthy(self) -> None:
         """Block until GET /health answers 200; SGLangError after health_timeout seconds."""

@@ -2,8 +2,9 @@
 
 It stands in for `python -m sglang.launch_server --model-path M ...` with the dump patch applied and
 HSX_DUMP_DIR set, where no GPU (or no SGLang) is available: the lab hosts, CI, the sglang_server
-role's tests. It answers the endpoints extraction uses, GET /health, GET /model_info and POST
-/generate (input_ids, rid, sampling_params.max_new_tokens), and produces the dump files by calling the
+role's tests. It answers the endpoints extraction uses, GET /health, GET /model_info, GET
+/server_info (disable_radix_cache only: true, or false with --radix-cache / radix_cache=True) and
+POST /generate (input_ids, rid, sampling_params.max_new_tokens), and produces the dump files by calling the
 project's REAL hook module (extraction/sglang/hook.py, the file deployed into SGLang) with
 ForwardBatch-like objects, exactly at the point the patched model would:
 
@@ -140,10 +141,14 @@ class StandInServer:
         self, model_path: str, host: str = "127.0.0.1", port: int = 0, chunk: int = 64, dtype: str = "bf16",
         sglang_package: str | None = None, min_request_seconds: float = 0.0, api_key: str | None = None,
         device: str = "cpu", null_hidden: int = 0, num_layers: int = 61, forward_us: float = 0.0,
+        radix_cache: bool = False,
     ):
         from extraction.backends.hf import HFBackend
 
         self.api_key = api_key or None
+        # GET /server_info's disable_radix_cache is `not radix_cache` (the role's command line
+        # disables it; True stands in for a server started without that flag). Nothing else changes.
+        self.radix_cache = bool(radix_cache)
         self.model_path = model_path
 
         # A real server computes on the GPU: its client mostly waits, the host's CPUs stay free. On
@@ -323,6 +328,8 @@ class StandInServer:
                     return None
                 if self.path == "/model_info":
                     return self._reply(200, {"model_path": server.model_path, "is_generation": True})
+                if self.path == "/server_info":  # SGLang's: its server arguments (and more) at the top
+                    return self._reply(200, {"disable_radix_cache": not server.radix_cache})
                 if self.path == "/hsx_patch":  # TEST-ONLY: the patch version this server loaded
                     return self._reply(200, server.patch_info)
                 if self.path == "/hsx_stats":  # TEST-ONLY: the scheduler's idle time (benchmarks)
@@ -422,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-request-seconds", type=float, default=0.0,
                         help="answer no /generate sooner than this (stands in for the GPU's time; frees the CPUs)")
     parser.add_argument("--api-key", help="demand this key as SGLang does (Authorization: Bearer)")
+    parser.add_argument("--radix-cache", action="store_true",
+                        help="GET /server_info says disable_radix_cache false (a server without --disable-radix-cache)")
     parser.add_argument("--null-model", type=int, default=0, metavar="HIDDEN",
                         help="no model: random states this wide (benchmarks); --num-layers, --forward-us apply")
     parser.add_argument("--num-layers", type=int, default=61, help="--null-model: the model's layers")
@@ -431,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     server = StandInServer(
         args.model_path, args.host, args.port, args.chunked_prefill_size, args.dtype, args.sglang_package,
         args.min_request_seconds, args.api_key, args.device, args.null_model, args.num_layers, args.forward_us,
+        args.radix_cache,
     ).start()
     print(
         f"stand-in SGLang server on {server.url} (dumps: {os.environ.get(hook.ENV_DIR) or 'off'}; "

@@ -465,7 +465,7 @@ def test_client_sends_the_key(keyed_server, model_dir, tmp_path):
     assert len(backend.extract(samples([5, 30]))) == 2
     backend.close()
     paths = {(m, p) for m, p, _ in seen}
-    assert {("GET", "/health"), ("GET", "/model_info"), ("POST", "/generate")} <= paths
+    assert {("GET", "/health"), ("GET", "/model_info"), ("GET", "/server_info"), ("POST", "/generate")} <= paths
     assert {a for _, _, a in seen} == {f"Bearer {KEY}"}
 
 
@@ -516,3 +516,32 @@ def test_config_checks_the_key_file(tmp_path):
     empty.write_text("\n")
     with pytest.raises(ConfigError, match=r"holds no usable API key"):
         build_config({**base, "api_key_file": str(empty)})
+
+
+def test_a_server_with_its_radix_cache_is_refused_before_any_sample(model_dir, tmp_path, monkeypatch):
+    """The stand-in as SGLang started without --disable-radix-cache (its GET /server_info says
+    disable_radix_cache false): the start fails naming the flag and the server, after one health
+    wait and before any /generate; the stand-in's default says true (the role's command line)."""
+    from extraction.backends.sglang import SGLangBackend, SGLangError
+
+    dump_dir = tmp_path / "dumps"
+    monkeypatch.setenv(hook.ENV_DIR, str(dump_dir))
+    monkeypatch.setenv(hook.ENV_LAYERS, ",".join(map(str, LAYERS)))
+    srv = _standin().StandInServer(model_dir, chunk=16, radix_cache=True).start()
+    seen: list[str] = []
+    handler = srv.httpd.RequestHandlerClass
+    real = handler._authorized
+    monkeypatch.setattr(handler, "_authorized", lambda self: seen.append(self.path) or real(self))
+    try:
+        assert _call(f"{srv.url}/server_info") == (200, b'{"disable_radix_cache": false}')
+        with pytest.raises(SGLangError) as e:
+            SGLangBackend(srv.url, str(dump_dir), model_dir, LAYERS, health_timeout=10)
+        assert f"{srv.url}/server_info" in str(e.value) and "--disable-radix-cache" in str(e.value)
+        assert seen[1:] == ["/health", "/model_info", "/server_info"]  # one health wait, no /generate
+        srv.radix_cache = False
+        assert _call(f"{srv.url}/server_info") == (200, b'{"disable_radix_cache": true}')
+        backend = SGLangBackend(srv.url, str(dump_dir), model_dir, LAYERS, health_timeout=10)
+        assert len(backend.extract(samples([5]))) == 1
+        backend.close()
+    finally:
+        srv.stop()

@@ -23,12 +23,13 @@ BIG = 64 << 10
 
 class _Handler(BaseHTTPRequestHandler):
     mode = "ok"
+    server_info = (200, b'{"disable_radix_cache": true}')  # GET /server_info: (status, body)
 
     def log_message(self, *args) -> None:  # quiet
         pass
 
     def do_GET(self) -> None:
-        self._send(200, b"{}")
+        self._send(*type(self).server_info) if self.path == "/server_info" else self._send(200, b"{}")
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -133,3 +134,26 @@ def test_strays_in_the_dump_directory_are_skipped_and_named_once(server, tmp_pat
     assert any(f"{tmp_path / hsx_dump_format.dump_name(other, 0)} (not a regular file)" in s for s in said)
     assert any(f"pid {'9' * 20} is no process id" in s for s in said)
     assert all("left alone" in s for s in said)
+
+
+@pytest.mark.parametrize(
+    "answer, why",
+    [
+        ((200, b'{"disable_radix_cache": false}'), "runs with its radix cache"),
+        ((200, b'{"disable_radix_cache": "true"}'), "runs with its radix cache"),
+        ((200, b'{"version": "0.5.23"}'), "runs with its radix cache"),
+        ((200, b"<html>"), "not a JSON object"),
+        ((200, b"[true]"), "not a JSON object"),
+        ((404, b'{"detail": "Not Found"}'), "HTTP 404"),
+    ],
+)
+def test_a_server_with_its_radix_cache_or_no_answer_is_refused_at_start(server, tmp_path, answer, why):
+    """The radix cache serves a repeated prefix without computing it, so the hook never sees its
+    states: every sample would fail on its own ('starts at token N, not 0'). GET /server_info must
+    say disable_radix_cache true, or the start fails naming the flag and the server."""
+    _httpd, handler, url = server
+    handler.server_info = answer
+    with pytest.raises(SGLangError) as e:
+        _backend(url, tmp_path)
+    assert f"{url}/server_info" in str(e.value) and why in str(e.value), str(e.value)
+    assert "--disable-radix-cache" in str(e.value)
