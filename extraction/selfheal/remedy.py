@@ -3,7 +3,7 @@ runs `hsx selfheal remedy`): record the request, let a storm show itself, verify
 the brakes (hsx.selfheal policy), and only then run recover.yml or playbooks/takeover.yml in place -
 then record the outcome, which may open the breaker or hold the host.
 
-    record request -> settle (default 60 s) -> verify (playbooks/selfheal_verify.yml) -> decide
+    record request -> settle (default 60 s) -> verify (extensions/eda/playbooks/selfheal_verify.yml) -> decide
         -> act (the remedy playbook)  -> record its outcome (ok / failed, its failed stage)
         -> or hold (breaker open, host held, claim not confirmed, verification failed): nothing runs
 

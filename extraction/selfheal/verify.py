@@ -1,4 +1,4 @@
-"""Before self-healing acts, it checks the alert's claim itself (playbooks/selfheal_verify.yml):
+"""Before self-healing acts, it checks the alert's claim itself (extensions/eda/playbooks/selfheal_verify.yml):
 
 - a recovery's claim - the host's job is not making progress - holds when the job's status, read over
   SSH, says it is not (failed, stale, its process gone); a job that makes progress is left alone;
@@ -39,7 +39,7 @@ class Verification:
 
 
 def judge(result: dict[str, Any]) -> Verification:
-    """The finding of one result of playbooks/selfheal_verify.yml (pure; unit-tested)."""
+    """The finding of one result of extensions/eda/playbooks/selfheal_verify.yml (pure; unit-tested)."""
     host = result.get("host", "?")
     if result.get("claim") == "takeover":
         nodes, answering = result.get("nodes") or [], result.get("answering") or []
@@ -70,7 +70,7 @@ def judge(result: dict[str, Any]) -> Verification:
 def verify(project_dir: Path, inventories: list[str], host: str, claim: str, *, env: dict[str, str],
            exporter_port: int = 9100, progress_window_s: int = 120, timeout_s: float = 300) -> Verification:
     """Run the verification play on the real inventory and judge its result."""
-    playbook = project_dir / "playbooks" / "selfheal_verify.yml"
+    playbook = project_dir / "extensions" / "eda" / "playbooks" / "selfheal_verify.yml"
     with tempfile.TemporaryDirectory(prefix="hsx-selfheal-verify.") as d:
         out = Path(d) / "result.json"
         argv = ["ansible-playbook", str(playbook), *[a for inv in inventories for a in ("-i", inv)],

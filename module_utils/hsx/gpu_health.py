@@ -51,7 +51,6 @@ from .xidlog import (
 BAD_XIDS = (48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140)
 
 
-
 @dataclass
 class Policy:
     """What fails the gate. None for expected_gpus: any number but zero."""

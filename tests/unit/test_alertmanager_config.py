@@ -45,7 +45,7 @@ def test_only_remedy_alerts_reach_the_rulebook_and_people_still_see_them(amtool,
 def test_the_route_posts_to_the_rulebooks_default_listener() -> None:
     am = yaml.safe_load(CONFIG.read_text())
     url = am["receivers"][1]["webhook_configs"][0]["url"]
-    source = yaml.safe_load(RULEBOOK.read_text())[0]["sources"][0]["eda.builtin.webhook"]
+    source = yaml.safe_load(RULEBOOK.read_text())[0]["sources"][0]["hsx_webhook"]
     assert url.startswith("http://127.0.0.1:5050/"), url
     assert "127.0.0.1" in source["host"] and "5050" in str(source["port"]), source
     assert am["route"]["routes"][0]["group_by"] == ["alertname", "hsx_host"]

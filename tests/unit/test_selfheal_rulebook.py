@@ -86,7 +86,7 @@ def free_port() -> int:
 def start_rulebook(tmp_path: Path, hosts: list[str], rulebook_vars: dict, *, slow: bool = False,
                    window: str | None = None) -> tuple[subprocess.Popen, Path]:
     """The real rulebook (optionally with a shorter throttle window) whose remedies are stand-ins in a
-    temporary checkout; the real wrapper, `hsx selfheal remedy` and playbooks/selfheal_verify.yml.
+    temporary checkout; the real wrapper, `hsx selfheal remedy` and extensions/eda/playbooks/selfheal_verify.yml.
     `hosts`: the extraction nodes, on local connections, but for names ending in "-down": SSH to a
     closed port of this machine (they do not answer)."""
     if not shutil.which("java") and not os.environ.get("JAVA_HOME"):
@@ -96,7 +96,7 @@ def start_rulebook(tmp_path: Path, hosts: list[str], rulebook_vars: dict, *, slo
     (project / "playbooks").mkdir()
     shutil.copy(REPO / "extensions" / "eda" / "playbooks" / "selfheal_remedy.yml",
                 project / "extensions" / "eda" / "playbooks")
-    shutil.copy(REPO / "playbooks" / "selfheal_verify.yml", project / "playbooks")
+    shutil.copy(REPO / "extensions" / "eda" / "playbooks" / "selfheal_verify.yml", project / "extensions" / "eda" / "playbooks")
     recorder = RECORDER_SLOW if slow else RECORDER
     times = tmp_path / "times.txt"
     (project / "recover.yml").write_text(recorder.format(what="recover", hosts="all", who="ansible_limit", record=record,
