@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hsx.fsutil import atomic_write_bytes
+
 FILENAME = "hsx-selfheal.prom"
 
 
@@ -55,14 +57,4 @@ def write(textfile_dir: str | os.PathLike[str] | None, state: dict[str, Any], no
     if not textfile_dir:
         return
     # Readable by node_exporter (its own user) from the moment it has the name: the temp is made 0644.
-    directory = Path(textfile_dir)
-    tmp = directory / f".{FILENAME}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        os.fchmod(fd, 0o644)  # whatever the umask
-        with open(fd, "wb") as f:
-            f.write(render(state, now).encode())
-        os.replace(tmp, directory / FILENAME)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(str(Path(textfile_dir) / FILENAME), render(state, now).encode(), durable=False, mode=0o644)
