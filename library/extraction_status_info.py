@@ -18,7 +18,7 @@ description:
     extraction) gives the state, total, rate and the process id.
   - Works on hosts where the extraction package is not installed (the code ships with the module).
   - Never changes anything; safe in check mode.
-version_added: "0.1.0"
+version_added: "0.2.0"
 author:
   - hsx maintainers (!UNKNOWN)
 requirements:

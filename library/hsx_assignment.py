@@ -32,7 +32,7 @@ description:
       source under C(-i DIR)), is moved to O(path) when O(path) is that default place and holds none; it is read and
       checked first (a bad one fails the task, naming it, and stays), its bytes written atomically at O(path), then
       the old file, its empty lock and its directory (when left empty) removed. Check mode reads it where it is.
-version_added: "0.1.0"
+version_added: "0.2.0"
 author:
     - hsx maintainers (!UNKNOWN)
 requirements:

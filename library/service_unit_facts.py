@@ -29,7 +29,7 @@ description:
   - Unlike M(ansible.builtin.service_facts) it reads no SysV init scripts (systemd runs those as
     units, listed above) and knows no other service manager.
   - Never changes anything; safe in check mode.
-version_added: "0.1.0"
+version_added: "0.2.0"
 author:
   - hsx maintainers (!UNKNOWN)
 requirements:
