@@ -38,7 +38,7 @@ from extraction.runner.progress import ProgressLines, progress_mode
 from extraction.shards import DiskFullError
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_PAUSED, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE
 from hsx.fsutil import LinkRefused, nofollow_opener
-from hsx.status import ERRORS_NAME, StatusReporter, now_iso
+from hsx.status import ERRORS_NAME, STATE_DISK_LOW, StatusReporter, now_iso
 
 
 class RunError(Exception):
@@ -268,7 +268,7 @@ class Lifecycle:
                 if isinstance(self.pause, DiskLow)
                 else f"disk full while writing ({self.pause}); free {free} bytes"
             )
-            r.set_state("paused: disk low", msg + "; free space and run again to resume")
+            r.set_state(STATE_DISK_LOW, msg + "; free space and run again to resume")
             self.log(f"paused: {msg}; exit {EXIT_PAUSED}")
             return EXIT_PAUSED
         if self.stop_signal is not None:

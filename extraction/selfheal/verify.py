@@ -26,6 +26,7 @@ from extraction.selfheal.policy import (
     FINDING_UNREACHABLE,
     FINDING_UNVERIFIED,
 )
+from hsx.status import STATE_DISK_LOW
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ def judge(result: dict[str, Any]) -> Verification:
     status, storage = result.get("status") or {}, result.get("storage") or {}
     if storage.get("probed") and not storage.get("writable"):
         return Verification(f"{FINDING_STORAGE}: the output on {host} is not writable: {storage.get('error') or '?'}")
+    if status.get("state") == STATE_DISK_LOW:  # the job's own reading: a full disk still lets the probe's empty file in
+        return Verification(f"{FINDING_STORAGE}: the output on {host} is full (its job paused: {status.get('msg') or '?'})")
     age, uptime = status.get("status_age_s"), status.get("uptime_s")
     if isinstance(age, int | float) and isinstance(uptime, int | float) and age > uptime:
         return Verification(f"{FINDING_CONFIRMED}: {host}'s job status predates the host's boot "

@@ -19,7 +19,8 @@ from .fsutil import atomic_write_bytes, read_nofollow
 
 STATUS_NAME = "status.json"
 ERRORS_NAME = "errors.jsonl"
-STATES = ("starting", "running", "done", "paused: disk low", "failed", "interrupted")
+STATE_DISK_LOW = "paused: disk low"  # the job stopped itself for lack of space (exit EXIT_PAUSED)
+STATES = ("starting", "running", "done", STATE_DISK_LOW, "failed", "interrupted")
 HISTORY_MAX = 240  # (time, done) points; halved by dropping every other one when full
 
 

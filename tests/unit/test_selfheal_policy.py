@@ -189,6 +189,11 @@ def test_the_verifications_findings() -> None:
     assert judge(base | {"status": alive | {"making_progress": False}}).category == "confirmed"
     ro = base | {"status": alive, "storage": {"probed": True, "writable": False, "error": "Read-only file system"}}
     assert judge(ro).finding == "storage: the output on n1 is not writable: Read-only file system"
+    # A full disk: creating the probe's empty file still works; the job's own reading says why it stopped.
+    full = {"state": "paused: disk low", "done": 7, "making_progress": False, "pid_alive": False,
+            "msg": "disk low on /data: 8388608 bytes free", "status_age_s": 40, "uptime_s": 900}
+    assert judge(base | {"status": full}).finding == ("storage: the output on n1 is full (its job paused: "
+                                                       "disk low on /data: 8388608 bytes free)")
     assert judge(base | {"answers": False}).category == "unreachable"
     down = {"claim": "takeover", "host": "n1", "answers": False, "exporter_up": False, "nodes": ["n1", "n2", "n3"],
             "answering": ["n2"]}
