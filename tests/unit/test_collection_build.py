@@ -197,9 +197,13 @@ def test_runtime_groups_the_output_modules_and_routes_the_old_name(coll):
 
 
 def test_the_control_node_requirement_is_declared_where_ansible_builder_reads_it(coll):
-    """Issue #42 item 4: meta/execution-environment.yml names requirements.txt, which pins hsx itself."""
+    """Issue #42 item 4, #50 item 3: meta/execution-environment.yml names requirements.txt and bindep.txt;
+    requirements.txt names no package (hsx is on no index: a name there would be resolved from one by
+    every execution environment built from the collection) and says where hsx comes from instead; the
+    collection's bindep.txt is the checkout's."""
     ee = yaml.safe_load((coll / "meta" / "execution-environment.yml").read_text())
-    assert ee["version"] == 1 and ee["dependencies"]["python"] == "requirements.txt"
-    lines = [ln for ln in (coll / "requirements.txt").read_text().splitlines() if ln and not ln.startswith("#")]
-    assert lines == [f"hsx-extraction=={build.project_version()}"]
-    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"] == "hsx-extraction"
+    assert ee["version"] == 1 and ee["dependencies"] == {"python": "requirements.txt", "system": "bindep.txt"}
+    text = (coll / "requirements.txt").read_text()
+    assert [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")] == []
+    assert f"hsx-control {build.project_version()}" in text and "execution-environment/build.py" in text
+    assert (coll / "bindep.txt").read_text() == (ROOT / "bindep.txt").read_text()

@@ -14,8 +14,9 @@ second copy in git. One source, two layouts:
     playbooks/**                    ->   playbooks/**             filter names -> FQCN
     extensions/eda/**               ->   extensions/eda/**        the self-healing rulebook and its remedy wrapper
     LICENSE, tools/collection/{galaxy.yml.in,README.md,runtime.yml,config.yml} -> the collection's own
-    tools/collection/{execution-environment.yml,requirements.txt.in} -> meta/, requirements.txt: what
-        the control node needs (the hsx package, pinned to this version), where ansible-builder reads it
+    tools/collection/{execution-environment.yml,requirements.txt.in}, bindep.txt -> meta/, requirements.txt,
+        bindep.txt: what the control node needs, where ansible-builder reads it (no Python name an index
+        would resolve: hsx comes from the project's own wheel, execution-environment/)
     changelogs/{config.yaml,changelog.yaml,fragments/} ->   changelogs/**  and CHANGELOG.md generated
     (generated) tests/sanity/ignore-2.19.txt: the host-side python3 scripts' shebangs (sanity_ignores)
 
@@ -260,6 +261,7 @@ def build(out: Path, check_changelog: bool = True) -> Path:
     shutil.copy2(HERE / "runtime.yml", coll / "meta" / "runtime.yml")
     shutil.copy2(HERE / "execution-environment.yml", coll / "meta" / "execution-environment.yml")
     (coll / "requirements.txt").write_text(_template("requirements.txt.in", version))
+    shutil.copy2(ROOT / "bindep.txt", coll / "bindep.txt")  # the control node's system packages
     (coll / "tests" / "sanity").mkdir(parents=True)
     shutil.copy2(HERE / "config.yml", coll / "tests" / "config.yml")
     ignores = sanity_ignores(coll)
