@@ -10,6 +10,9 @@ The file is pretty JSON a person can read::
      "history": [{"epoch": 1, "at": "...", "action": "takeover", "host": "node-b",
                   "kept": "", "moved": {"node-a": "768-1023", "node-c": "512-767"}}]}
 
+(`parked`, only while a retired host that did not answer keeps buckets it last reported finished:
+host -> {buckets, since, reported_at, reported_by}; hsx.fleetplan.)
+
 Contract:
 - `read_assignment(path)`: the checked dict (every bucket on exactly one host; a host may own ""),
   with `epoch` (0), `retired` ([]) and `history` ([]) filled in for a file made before them; None
@@ -49,7 +52,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .buckets import AssignError, check_assignment
+from .buckets import AssignError, check_assignment, format_ranges, parse_assign
 from .fsutil import LinkRefused, atomic_write_bytes, open_nofollow, read_nofollow
 
 LOCK_SUFFIX = ".lock"
@@ -105,7 +108,7 @@ def _parse(path: str, raw: bytes) -> dict[str, Any]:
         raise AssignmentFileError(f"{path}: 'retired' must list hosts of 'hosts', got {retired!r}; {ASIDE}")
     if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
         raise AssignmentFileError(f"{path}: 'history' must be a list of objects; {ASIDE}")
-    return {
+    out = {
         "buckets": data["buckets"],
         "created": str(data.get("created", "?")),
         "epoch": epoch,
@@ -113,6 +116,31 @@ def _parse(path: str, raw: bytes) -> dict[str, Any]:
         "retired": list(retired),
         "history": history,
     }
+    if "parked" in data:
+        out["parked"] = _checked_parked(path, data["parked"], out)
+    return out
+
+
+def _checked_parked(path: str, parked: Any, assignment: dict[str, Any]) -> dict[str, Any]:
+    """`parked` (host -> {buckets, since, reported_at, reported_by}): a retired host's own buckets only."""
+    if not isinstance(parked, dict):
+        raise AssignmentFileError(f"{path}: 'parked' must map hosts to their parked buckets; {ASIDE}")
+    n = assignment["buckets"]
+    for host, entry in parked.items():
+        if host not in assignment["retired"]:
+            raise AssignmentFileError(f"{path}: 'parked' names {host!r}, which is not retired; {ASIDE}")
+        keys = ("buckets", "since", "reported_at", "reported_by")
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) for k in keys):
+            raise AssignmentFileError(f"{path}: 'parked' {host!r} needs {', '.join(keys)} (strings); {ASIDE}")
+        try:
+            mine = parse_assign(assignment["hosts"][host], n) if assignment["hosts"][host] else frozenset()
+            bad = set(parse_assign(entry["buckets"], n)) - mine if entry["buckets"] else set()
+        except AssignError as e:
+            raise AssignmentFileError(f"{path}: 'parked' {host!r}: {e}; {ASIDE}") from None
+        if bad:
+            raise AssignmentFileError(
+                f"{path}: 'parked' {host!r} names bucket(s) {format_ranges(bad)} it does not own; {ASIDE}")
+    return parked
 
 
 def default_path(inventory_dir: str) -> str:

@@ -13,6 +13,15 @@ Contract:
   does not name, waiting for its rebalance, is then no error). Kept buckets no longer read
   finished (its disk died; nothing counts finished on a host that cannot be reached) move like
   any unfinished ones, so they are never lost for good.
+- Parking (issue #51): `finished` None means `host` did not answer. Then the buckets of its own
+  that `recorded` (hsx.finishedrecord: what it last reported finished, read by fleet-status, a
+  takeover or a rebalance while it answered) names are **parked**: it keeps them (no taker redoes
+  them) and `parked[host]` says which, since when, and which report (`reported_at`, `reported_by`);
+  only its other buckets move. A second takeover while it still does not answer changes nothing,
+  until `park_window_s` has passed since it was parked, or `disk_lost` (the operator says its disk
+  is gone): then the parked buckets move like unfinished ones (`history`: released, why). A host
+  that answers is never parked: it keeps what its own output finished (none with `disk_lost`). Its
+  parked buckets are not done for the fleet until its output is read again (hsx fleet-status).
 - `plan_rebalance(assignment, new_hosts, started, now, returning=())`: the new assignment with
   `new_hosts` added and the retired hosts of `returning` back (no longer retired; the buckets they
   kept stay theirs). Only buckets no node has started (not in `started`: any sample of it done on
@@ -26,6 +35,7 @@ Contract:
 from __future__ import annotations
 
 import copy
+import datetime
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,8 +67,40 @@ def _next(assignment: dict[str, Any], entry: dict[str, Any], now: str) -> dict[s
     return new
 
 
+def _age_s(since: str, now: str, host: str) -> float:
+    try:
+        return (datetime.datetime.fromisoformat(now) - datetime.datetime.fromisoformat(since)).total_seconds()
+    except (TypeError, ValueError):
+        raise AssignError(f"takeover: {host} parked since {since!r}: not an ISO 8601 time (the assignment file's "
+                          "'parked'); fix it, or take the host over with its disk lost") from None
+
+
+def _what_stays(
+    assignment: dict[str, Any], host: str, mine: set[int], finished: Iterable[int] | None, now: str,
+    recorded: dict[str, Any] | None, disk_lost: bool, park_window_s: float | None,
+) -> tuple[set[int], dict[str, Any] | None, str | None]:
+    """(kept, the parked entry or None, why parked buckets are released or None)."""
+    before = (assignment.get("parked") or {}).get(host)
+    if finished is not None:  # it answered: its own output is the truth
+        return (set() if disk_lost else mine & set(finished)), None, ("answered" if before else None)
+    if disk_lost:
+        return set(), None, ("disk lost" if before else None)
+    if before and park_window_s is not None and _age_s(before["since"], now, host) > park_window_s:
+        return set(), None, "unreachable past the park window"
+    if before:  # still unreachable, within the window: what was parked stays parked (and only that)
+        parked = mine & (set(parse_assign(before["buckets"], assignment["buckets"])) if before["buckets"] else set())
+        return parked, (before if parked else None), None
+    parked = mine & set(recorded["finished"]) if recorded else set()
+    if not parked:
+        return set(), None, None
+    entry = {"buckets": format_ranges(parked), "since": now, "reported_at": recorded["at"],
+             "reported_by": recorded["by"]}
+    return parked, entry, None
+
+
 def plan_takeover(
-    assignment: dict[str, Any], host: str, finished: Iterable[int], live: Iterable[str], now: str
+    assignment: dict[str, Any], host: str, finished: Iterable[int] | None, live: Iterable[str], now: str,
+    *, recorded: dict[str, Any] | None = None, disk_lost: bool = False, park_window_s: float | None = None,
 ) -> tuple[dict[str, Any], dict[str, set[int]]]:
     """(the new assignment, taker -> the buckets it takes); see the module's contract."""
     hosts = assignment["hosts"]
@@ -66,9 +108,10 @@ def plan_takeover(
         raise AssignError(f"takeover: {host} is not in the assignment (its hosts: {', '.join(sorted(hosts))})")
     retired = set(assignment.get("retired", []))
     mine = owned(assignment, host)
-    kept = mine & set(finished)
+    kept, parked, released = _what_stays(assignment, host, mine, finished, now, recorded, disk_lost, park_window_s)
     moving = mine - kept
-    if host in retired and not moving:  # taken over before, and what it kept still reads finished
+    before = (assignment.get("parked") or {}).get(host)
+    if host in retired and not moving and parked == before:  # taken over before, and nothing changed since
         return assignment, {}
     takers = sorted(set(live) - {host} - retired)
     unknown = [h for h in takers if h not in hosts]
@@ -77,18 +120,39 @@ def plan_takeover(
     if moving and not takers:
         raise AssignError(f"takeover: no live host to take {host}'s {len(moving)} unfinished bucket(s)")
     runs = split_runs(moving, takers) if moving else {}
-    entry = {
+    entry: dict[str, Any] = {
         "action": "takeover",
         "host": host,
         "kept": format_ranges(kept),
         "moved": {t: format_ranges(b) for t, b in runs.items() if b},
     }
+    if parked:
+        entry["parked"] = parked["buckets"]
+    if released:
+        entry["released"] = before["buckets"] if before else ""
+        entry["why"] = released
+    if disk_lost:
+        entry["disk_lost"] = True
     new = _next(assignment, entry, now)
     new["hosts"][host] = format_ranges(kept)
     for taker, taken in runs.items():
         new["hosts"][taker] = format_ranges(owned(assignment, taker) | taken)
     new["retired"] = sorted(retired | {host})
+    _set_parked(new, host, parked)
     return new, {t: b for t, b in runs.items() if b}
+
+
+def _set_parked(assignment: dict[str, Any], host: str, entry: dict[str, Any] | None) -> None:
+    """`host`'s parked entry set (or dropped); no `parked` key at all while nothing is parked."""
+    parked = dict(assignment.get("parked") or {})
+    if entry:
+        parked[host] = dict(entry)
+    else:
+        parked.pop(host, None)
+    if parked:
+        assignment["parked"] = parked
+    else:
+        assignment.pop("parked", None)
 
 
 def plan_rebalance(
@@ -131,4 +195,6 @@ def plan_rebalance(
         new["hosts"][h] = format_ranges(owned(assignment, h) | gets[h])  # a returning host keeps what it kept
     if back:
         new["retired"] = sorted(retired - set(back))
+    for h in back:  # its output was read: what it kept is its own again, not parked
+        _set_parked(new, h, None)
     return new, gets
