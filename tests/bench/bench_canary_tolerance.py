@@ -8,7 +8,12 @@ target (extraction/testbed: built here unless --model is given) and the canary's
 
   same batch      the runner's batches of --batch (sorted by length, as runner/plan.py cuts them)
                   run twice: the same command twice
-  batch B vs 1    those batches against each sample alone (what the canary does)
+  rebuilt batch   those batches rebuilt as the canary rebuilds a sample's original batch (its
+                  members in their order, the same padding) in a NEW process (a fresh model load and
+                  device context, as `hsx canary` after a recovery), each batch alone and in reverse
+                  order: what the canary expects to be bit-equal (--no-rebuild: skip)
+  batch B vs 1    those batches against each sample alone (the canary's fallback for shards
+                  written before batch membership was recorded)
   threads         (cpu) the batches on 1 torch thread against torch's default (a canary on a node
                   whose job ran with another thread count)
   perturbed       the batches with every weight multiplied by (1 + --perturb x N(0,1)): what the
@@ -20,6 +25,7 @@ repository (no install, no ansible):
 
   python tests/bench/bench_canary_tolerance.py [--device cpu|cuda] [--samples 48] [--batch 8]
       [--dtypes float32,bfloat16] [--hidden 64] [--layers 8] [--model DIR] [--perturb 0.01]
+      [--no-rebuild]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import json
 import os
 import platform
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -89,6 +96,39 @@ def distribution(a: dict, b: dict) -> dict[str, float | int]:
     }
 
 
+def rebuild_in_new_process(
+    args: argparse.Namespace, model: Path, dtype: str, batches: list[list[Sample]], work: Path
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Every batch rebuilt (its members in their order: the same padding and shape) and run in a
+    fresh process of this script (--child), each batch alone, the last first: sample id -> states."""
+    job = work / f"rebuild-{dtype}.pt"
+    out = work / f"rebuilt-{dtype}.pt"
+    torch.save(
+        {
+            "model": str(model),
+            "dtype": DTYPES[dtype],
+            "device": args.device,
+            "layers": default_layer_ids(args.layers) if args.model is None else None,
+            "batches": [[(s.sample_id, s.input_ids, s.loss_mask) for s in b] for b in reversed(batches)],
+        },
+        job,
+    )
+    subprocess.run([sys.executable, __file__, "--child", str(job), str(out)], check=True)
+    return torch.load(out, weights_only=True)
+
+
+def child(job_path: str, out_path: str) -> int:
+    """The rebuild's process: load the model, run each batch of the job file, save the states."""
+    job = torch.load(job_path, weights_only=True)
+    backend = HFBackend(job["model"], job["layers"], dtype=job["dtype"], device=job["device"])
+    if job["layers"] is None:
+        backend.set_layers(default_layer_ids(backend.num_layers))
+    batches = [[Sample(sid, ids, mask) for sid, ids, mask in b] for b in job["batches"]]
+    torch.save(run(backend, batches), out_path)
+    backend.close()
+    return 0
+
+
 def perturb(backend: HFBackend, scale: float, seed: int = 1) -> None:
     """Every weight of the loaded model times (1 + scale x N(0,1)), seeded."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -98,7 +138,9 @@ def perturb(backend: HFBackend, scale: float, seed: int = 1) -> None:
             p.mul_((1 + scale * noise).to(p.dtype))
 
 
-def measure(args: argparse.Namespace, model: Path, samples: list[Sample], dtype: str) -> dict[str, dict]:
+def measure(
+    args: argparse.Namespace, model: Path, samples: list[Sample], dtype: str, work: Path
+) -> dict[str, dict]:
     layers = default_layer_ids(args.layers) if args.model is None else None
     backend = HFBackend(model, layers, dtype=DTYPES[dtype], device=args.device)
     if layers is None:
@@ -107,8 +149,10 @@ def measure(args: argparse.Namespace, model: Path, samples: list[Sample], dtype:
     ref = run(backend, batches)
     found = {
         "same batch": distribution(ref, run(backend, batches)),
-        f"batch {args.batch} vs 1": distribution(ref, run(backend, [[s] for s in samples])),
     }
+    if args.rebuild:
+        found["rebuilt batch"] = distribution(ref, rebuild_in_new_process(args, model, dtype, batches, work))
+    found[f"batch {args.batch} vs 1"] = distribution(ref, run(backend, [[s] for s in samples]))
     if backend.device.type == "cpu" and torch.get_num_threads() > 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -135,7 +179,13 @@ def main() -> int:
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--perturb", type=float, default=0.01, help="relative weight noise to show (0: skip)")
     p.add_argument("--seed", type=int, default=7, help="the tiny dataset's seed")
+    p.add_argument(
+        "--no-rebuild", dest="rebuild", action="store_false", help="skip the rebuilt batches (a process per dtype)"
+    )
+    p.add_argument("--child", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        return child(*args.child)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
         if d not in DTYPES:
@@ -148,7 +198,7 @@ def main() -> int:
         data = write_tiny_dataset(Path(tmp) / "d.jsonl", args.samples, seed=args.seed)
         tok = ChatTokenizer(load_tokenizer(model), args.max_length)
         samples = [tok.encode(c) for c in read_conversations(data, scan_dataset(data).entries)]
-        results = {d: measure(args, model, samples, d) for d in dtypes}
+        results = {d: measure(args, model, samples, d, Path(tmp)) for d in dtypes}
     lengths = sorted(int(s.input_ids.numel()) for s in samples)
     device = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else (
         platform.processor() or platform.machine()
