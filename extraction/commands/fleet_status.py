@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 import time
@@ -14,7 +15,9 @@ from extraction.fleet.fleetstatus import HostStatus, as_json, collect, fleet_tot
 from extraction.fleet.playbook import REPORTS, OperatorError, chosen_inventory
 from extraction.fleet.plot import PlotError, plot_history
 from hsx.assignfile import AssignmentFileError, default_path, read_assignment, readable_path
+from hsx.buckets import AssignError, parse_assign
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from hsx.finishedrecord import record_path, update_record
 from hsx.fsutil import atomic_write_bytes
 
 
@@ -57,19 +60,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def load_assignment(path: str | None, inventory: list[str] | None) -> dict[str, Any] | None:
-    """The assignment file given, else the one at the default place beside the first inventory
-    (.fleet/assignment.json, or the old fleet/assignment.json until a play moves it) when it exists."""
+def assignment_path(path: str | None, inventory: list[str] | None) -> str | None:
+    """The assignment file given, else its default place beside the first inventory
+    (.fleet/assignment.json, or the old fleet/assignment.json until a play moves it); None without either."""
     if path:
-        found = read_assignment(os.path.abspath(path))
-        if found is None:
-            raise AssignmentFileError(f"--assignment {path}: no such file")
-        return found
+        return os.path.abspath(path)
     first = Path(inventory[0]) if inventory else None
     if first is None or not first.exists():
         return None
     base = first if first.is_dir() else first.parent
-    return read_assignment(readable_path(default_path(str(base.resolve()))))
+    return readable_path(default_path(str(base.resolve())))
+
+
+def load_assignment(path: str | None, inventory: list[str] | None) -> dict[str, Any] | None:
+    """The assignment at assignment_path(path, inventory), when it exists (--assignment: it must)."""
+    where = assignment_path(path, inventory)
+    found = read_assignment(where) if where else None
+    if found is None and path:
+        raise AssignmentFileError(f"--assignment {path}: no such file")
+    return found
+
+
+def record_finished(where: str, hosts: list[HostStatus], assignment: dict[str, Any]) -> None:
+    """Record on the control node, beside the assignment, what each host that answered reports finished
+    (hsx.finishedrecord: a later takeover parks those buckets when that host no longer answers). A
+    host whose index or bucket totals could not be read reports nothing and is left as recorded."""
+    n = assignment["buckets"]
+    reports = {}
+    for h in hosts:
+        r = h.result
+        if (h.unreachable or h.error or not r or r.get("buckets_error") or r.get("bucket_count") != n
+                or not isinstance(r.get("bucket_totals"), list)):
+            continue
+        spec = str(r.get("finished_buckets") or "")
+        reports[h.host] = set(parse_assign(spec, n)) if spec.strip() else set()
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    update_record(record_path(where), n, reports, "fleet-status", now)
 
 
 LIMITED_VIEW: dict[str, Any] = {
@@ -112,6 +138,12 @@ def once(args: argparse.Namespace) -> int:
     except AssignmentFileError as exc:
         print(f"hsx fleet-status: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        if assignment is not None:
+            record_finished(str(assignment_path(args.assignment, args.inventory)), hosts, assignment)
+        record_error = None
+    except (AssignmentFileError, AssignError) as exc:  # FinishedRecordError is one; a bad range from a host
+        record_error = str(exc)
     mark_taken_over(hosts, assignment)
     # Under --limit the hosts not asked would read as unreachable and their samples as missing:
     # the dataset's view needs every host.
@@ -124,6 +156,9 @@ def once(args: argparse.Namespace) -> int:
     if args.prom:
         write_prom(args.prom, view, hosts)
     code = exit_code(hosts, view)
+    if record_error:
+        print(f"hsx fleet-status: cannot record what the hosts finished: {record_error}", file=sys.stderr)
+        code = EXIT_USAGE
     if args.plot:
         try:
             plot_history(

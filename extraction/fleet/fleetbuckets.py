@@ -20,6 +20,11 @@ Contract (`fleet_view(hosts, assignment)`):
   bound), and the dataset is never `complete`. No host's counts are taken as the truth.
 - Per host: the buckets it owns by state, the samples its index holds, and how many of those lie
   in buckets it does not own (taken over from it, or earlier work).
+- Parked buckets (issue #51: a takeover of a host that did not answer left it the buckets it last
+  reported finished, the assignment's `parked`): `parked` maps each such host to those of them not
+  done now (its output not read, or no longer holding them), with the park's times and whether the
+  host answered. They count as nothing done until a host's output holds them, so the fleet is not
+  complete while any is parked; render_view says why and how to release them.
 """
 
 from __future__ import annotations
@@ -96,7 +101,9 @@ def fleet_view(hosts: list[Any], assignment: dict[str, Any] | None) -> dict[str,
             "answered": h in answered,
             "retired": h in retired,
         }
+    parked = _pending_parked(assignment, state, n, answered)
     return {
+        "parked": parked,
         "known": totals is not None,
         "buckets": n,
         "bucket_states": {s: sum(1 for v in state.values() if v == s) for s in STATES},
@@ -108,6 +115,34 @@ def fleet_view(hosts: list[Any], assignment: dict[str, Any] | None) -> dict[str,
         "epoch": assignment.get("epoch", 0) if assignment else None,
         "per_host": per_host,
     }
+
+
+def _pending_parked(
+    assignment: dict[str, Any] | None, state: dict[int, str], n: int, answered: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """Host -> its parked buckets that are not done now, with the park's times (module contract)."""
+    out: dict[str, dict[str, Any]] = {}
+    for h, entry in sorted(((assignment or {}).get("parked") or {}).items()):
+        pending = sorted(b for b in _spec(entry.get("buckets"), n) if state.get(b) != "done")
+        if pending:
+            out[h] = {"buckets": format_ranges(pending), "count": len(pending), "since": entry.get("since"),
+                      "reported_at": entry.get("reported_at"), "reported_by": entry.get("reported_by"),
+                      "answered": h in answered}
+    return out
+
+
+def _parked_lines(view: dict[str, Any]) -> list[str]:
+    """One PARKED line per host holding parked buckets not done, saying why and how to release them."""
+    lines = []
+    for h, p in view.get("parked", {}).items():
+        now = ("it answers, but its output does not hold them all now: hsx takeover " + h + " moves what it lacks"
+               if p["answered"] else
+               f"they count once its output is read again: bring {h} back (it runs nothing), or if its disk is "
+               f"gone redo them now: hsx takeover {h} --disk-lost (a takeover after the park window redoes them)")
+        lines.append(f"PARKED: {p['count']} bucket(s) {p['buckets']} on {h}, taken over while not answering "
+                     f"(parked since {p['since']}; finished there by its {p['reported_by']} report of "
+                     f"{p['reported_at']}): {now}")
+    return lines
 
 
 def _odd_ones(values: dict[str, Any]) -> list[str]:
@@ -161,9 +196,11 @@ def mark_taken_over(hosts: list[Any], assignment: dict[str, Any] | None) -> None
     """Set `taken_over` (the buckets it kept) on each host the assignment file retired, so the
     per-host table and the exit code read it as taken over, not by its stale job or reachability."""
     retired = set(assignment.get("retired", [])) if assignment else set()
+    parked = (assignment or {}).get("parked") or {}
     for h in hosts:
         if h.host in retired:
             h.taken_over = assignment["hosts"].get(h.host, "")
+            h.parked = parked.get(h.host, {}).get("buckets")
 
 
 def render_view(view: dict[str, Any]) -> list[str]:
@@ -186,8 +223,11 @@ def render_view(view: dict[str, Any]) -> list[str]:
               else " (at most; some buckets are shared mid-run)")
     if bad:
         lines.append(_inconsistent_line(view))
+    lines += _parked_lines(view)
+    parked = sum(p["count"] for p in view.get("parked", {}).values() if not p["answered"])
     verdict = ("COMPLETE" if view["complete"] else
-               "INCOMPLETE (inconsistent: the hosts' copies of the dataset disagree)" if bad else "INCOMPLETE")
+               "INCOMPLETE (inconsistent: the hosts' copies of the dataset disagree)" if bad else
+               f"INCOMPLETE ({parked} bucket(s) parked on a host not answering: see PARKED)" if parked else "INCOMPLETE")
     lines.append(
         f"DATASET: {view['buckets']} buckets: {bs['done']} done, {bs['running']} running, {bs['unreachable']} on "
         f"unreachable hosts, {bs['unassigned']} unassigned; samples {s['done']}/{s['total']} done "
@@ -234,6 +274,10 @@ def prometheus_text(view: dict[str, Any], hosts: list[Any] | None = None) -> str
             "# TYPE hsx_fleet_retired_running gauge"]
     out += [f'hsx_fleet_retired_running{{host="{_label(h.host)}"}} {1 if h.retired_running else 0}'
             for h in retired]
+    out += ["# HELP hsx_fleet_parked_buckets Buckets parked on a host taken over while not answering, not done yet "
+            "(they count once its output is read; hsx takeover HOST --disk-lost redoes them).",
+            "# TYPE hsx_fleet_parked_buckets gauge"]
+    out += [f'hsx_fleet_parked_buckets{{host="{_label(h)}"}} {p["count"]}' for h, p in view.get("parked", {}).items()]
     return "\n".join(out) + "\n"
 
 

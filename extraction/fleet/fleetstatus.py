@@ -53,6 +53,8 @@ class HostStatus:
     history: list[list[float]] = field(default_factory=list)
     # The bucket spec a takeover left the host (its finished buckets, "" for none); None: not taken over.
     taken_over: str | None = None
+    # Of those, the ones parked on it (taken over while it did not answer; the assignment's `parked`).
+    parked: str | None = None
 
     @property
     def retired_running(self) -> bool:
@@ -126,6 +128,8 @@ class HostStatus:
     def _taken_over_reason(self) -> str:
         kept = self.taken_over or ""
         keeps = f"keeps its finished bucket(s) {kept}" if kept else "keeps no bucket"
+        if self.parked:
+            keeps += f" (parked: {self.parked}, as it last reported them finished)"
         now = ("not reachable now" if self.unreachable else "its status unreadable now" if self.error
                else f"its output holds {self.result.get('done', '?')} samples")
         return f"its unfinished buckets moved to other hosts; {keeps}; {now}"
