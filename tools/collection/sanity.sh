@@ -64,6 +64,12 @@ HOME=$lint_home PATH=$BIN:$PATH ANSIBLE_COLLECTIONS_PATH=$out "$BIN/ansible-lint
     -c "$lint_home/ansible-lint.yml" --exclude playbooks/tasks "${lint_skip[@]}" . || rc=1
 rm -rf "$lint_home"
 PATH=$BIN:$PATH "$BIN/ansible-test" sanity --local --python 3.11 --color no "$@" || rc=1
+# The execution environment (execution-environment/): the collection's tarball and the hsx-control wheel
+# built from this checkout, `ansible-builder create` of its definition, and ansible-builder's introspection
+# of the built collection (no Python requirement an index would resolve; bindep.txt's packages). No image.
+if [ $# -eq 0 ]; then
+    "$BIN/python" "${BIN%/.venv/bin}/execution-environment/build.py" --check --out "$(dirname "$out")/ee" >/dev/null || rc=1
+fi
 
 # The modules' declared minimum, 3.10 (tests/config.yml): compile and import them there too, when
 # this machine has that interpreter (on PATH, or one pyenv installed; chosen by running it, since a
