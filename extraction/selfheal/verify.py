@@ -52,11 +52,11 @@ def judge(result: dict[str, Any]) -> Verification:
         return Verification(f"{FINDING_UNREACHABLE}: {host} answers neither SSH nor its node_exporter", unanswering)
     if not result.get("answers"):
         return Verification(f"{FINDING_UNREACHABLE}: {host} does not answer over SSH")
+    status, storage = result.get("status") or {}, result.get("storage") or {}
+    if storage.get("probed") and not storage.get("writable"):  # first: such storage fails the status read too
+        return Verification(f"{FINDING_STORAGE}: the output on {host} is not writable: {storage.get('error') or '?'}")
     if result.get("error"):
         return Verification(f"{FINDING_UNVERIFIED}: {host}'s job could not be read: {result['error']}")
-    status, storage = result.get("status") or {}, result.get("storage") or {}
-    if storage.get("probed") and not storage.get("writable"):
-        return Verification(f"{FINDING_STORAGE}: the output on {host} is not writable: {storage.get('error') or '?'}")
     if status.get("state") == STATE_DISK_LOW:  # the job's own reading: a full disk still lets the probe's empty file in
         return Verification(f"{FINDING_STORAGE}: the output on {host} is full (its job paused: {status.get('msg') or '?'})")
     age, uptime = status.get("status_age_s"), status.get("uptime_s")
@@ -70,13 +70,15 @@ def judge(result: dict[str, Any]) -> Verification:
                         f"process {'alive' if status.get('pid_alive') else 'gone'})")
 
 
-def verify(project_dir: Path, inventories: list[str], host: str, claim: str, *, env: dict[str, str],
-           exporter_port: int = 9100, progress_window_s: int = 120, timeout_s: float = 300) -> Verification:
-    """Run the verification play on the real inventory and judge its result."""
-    playbook = project_dir / "extensions" / "eda" / "playbooks" / "selfheal_verify.yml"
+def verify(project_dir: Path | None, inventories: list[str], host: str, claim: str, *, env: dict[str, str],
+           playbook: str, exporter_port: int = 9100, progress_window_s: int = 120,
+           timeout_s: float = 300) -> Verification:
+    """Run the verification play (`playbook`: a checkout's extensions/eda/playbooks/selfheal_verify.yml, or
+    the installed collection's hsx.recovery.selfheal_verify) on the real inventory, in `project_dir` (a
+    checkout; None: here), and judge its result."""
     with tempfile.TemporaryDirectory(prefix="hsx-selfheal-verify.") as d:
         out = Path(d) / "result.json"
-        argv = ["ansible-playbook", str(playbook), *[a for inv in inventories for a in ("-i", inv)],
+        argv = ["ansible-playbook", playbook, *[a for inv in inventories for a in ("-i", inv)],
                 "-e", json.dumps({"hsx_verify_claim": claim, "hsx_verify_host": host, "hsx_verify_result": str(out),
                                   "hsx_verify_exporter_port": exporter_port,
                                   "hsx_verify_progress_window": progress_window_s})]

@@ -189,6 +189,10 @@ def test_the_verifications_findings() -> None:
     assert judge(base | {"status": alive | {"making_progress": False}}).category == "confirmed"
     ro = base | {"status": alive, "storage": {"probed": True, "writable": False, "error": "Read-only file system"}}
     assert judge(ro).finding == "storage: the output on n1 is not writable: Read-only file system"
+    # Storage that answers with I/O errors fails the status read too: the probe names the cause.
+    eio = {"probed": True, "writable": False, "error": "[Errno 5] Input/output error"}
+    assert judge(base | {"error": "status.json: [Errno 5] Input/output error", "storage": eio}).category == "storage"
+    assert judge(base | {"error": "status.json: unreadable"}).category == "unverified"
     # A full disk: creating the probe's empty file still works; the job's own reading says why it stopped.
     full = {"state": "paused: disk low", "done": 7, "making_progress": False, "pid_alive": False,
             "msg": "disk low on /data: 8388608 bytes free", "status_age_s": 40, "uptime_s": 900}
