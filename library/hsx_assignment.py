@@ -21,7 +21,16 @@ description:
     - With O(takeover) a host's unfinished buckets move to O(live_hosts) (module_utils C(hsx.fleetplan)); it keeps
       only those O(finished) names, is recorded in C(retired), C(epoch) grows and C(history) says what moved
       where. A second takeover of the same host changes nothing while what it kept still reads finished
-      (O(finished)); kept buckets that no longer do (its disk died, it cannot be reached) move too.
+      (O(finished)); kept buckets that no longer do (its disk died) move too.
+    - With O(reported) (what every host whose output was read reported finished), a takeover of a host that did not
+      answer (not in O(reported)) parks the buckets of its own that the record says it last reported finished; it
+      keeps them, no live host redoes them, C(parked) in the file says so, and only the rest move. They move too when
+      O(disk_lost) says its disk is gone, or when a takeover runs more than O(park_window) seconds after they were
+      parked while it still does not answer. A host that answers keeps what its own output finished, parked no
+      more (module_utils C(hsx.fleetplan)).
+    - O(reported) is recorded beside O(path) (C(finished.json), what each host last reported finished, checked when
+      read, written atomically, module_utils C(hsx.finishedrecord)); C(hsx fleet-status) records there too. A record
+      that cannot be read or believed fails the task, naming it (never read as nothing finished).
     - With O(rebalance) hosts of O(hosts) the file does not name are added, taking only buckets no node has
       started (not in O(started)); without it such a host fails the task, so an inventory typo never moves work.
       The retired hosts of O(hosts) whose outputs were read (O(answered)) return the same way (no longer retired;
@@ -75,6 +84,25 @@ options:
         description: With O(rebalance), the buckets (a range list) with any sample done on any node.
         type: str
         default: ""
+    reported:
+        description:
+            - Host -> the buckets (a range list) its own output read finished in this play, for every host whose
+              output was read; recorded beside O(path) (not in check mode). With O(takeover), the host taken over
+              answered if and only if it is here (its buckets then come from here, not O(finished)); without
+              O(reported) it counts as answered with O(finished) and nothing is parked.
+        type: dict
+    disk_lost:
+        description:
+            - With O(takeover), the host's disk is gone (C(hsx takeover HOST --disk-lost)); nothing stays with it,
+              parked or finished, its buckets move to O(live_hosts) and are redone.
+        type: bool
+        default: false
+    park_window:
+        description:
+            - With O(takeover), seconds a host that does not answer keeps its parked buckets; a takeover of it after
+              that moves them (playbooks/takeover.yml C(hsx_takeover_park_window)).
+        type: int
+        default: 86400
     answered:
         description:
             - With O(rebalance), the hosts whose outputs were read for O(started). Every host of the file that is not
@@ -95,7 +123,8 @@ attributes:
         support: full
         details: Writes nothing; returns the assignment that would be written.
     diff_mode:
-        support: none
+        support: full
+        details: The assignment file before and after (in check mode, what would be written).
 """
 
 EXAMPLES = r"""
@@ -146,6 +175,12 @@ moved:
           returning host (O(rebalance)) is listed too.
     type: dict
     returned: success
+parked:
+    description:
+        - Host -> the buckets parked on it (a range list), taken over while it did not answer; they are not redone
+          unless released (O(disk_lost), O(park_window)).
+    type: dict
+    returned: success
 migrated_from:
     description: The old place the file was moved from in this run (see the description), or null.
     type: str
@@ -163,6 +198,7 @@ from ansible.module_utils.hsx.assignfile import (
     AssignmentFileError,
     assignment_lock,
     check_unchanged,
+    encode,
     legacy_path,
     migrate_legacy,
     read_assignment,
@@ -176,6 +212,7 @@ from ansible.module_utils.hsx.buckets import (
     host_changes,
     parse_assign,
 )
+from ansible.module_utils.hsx.finishedrecord import read_record, record_path, update_record
 from ansible.module_utils.hsx.fleetplan import plan_rebalance, plan_takeover
 
 
@@ -217,14 +254,17 @@ def _not_made_here(path: str, hosts: list[str]) -> AssignmentFileError:
 
 def resolve(
     path: str, hosts: list[str], buckets: int, check_mode: bool, create: bool = True, rebalance: bool = False,
-    started: str = "", answered: list[str] | None = None,
+    started: str = "", answered: list[str] | None = None, seen: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], bool, list[str], dict[str, str]]:
     """(assignment, changed, warnings, moved): the file's assignment, made from `hosts` when there is
     none (AssignmentFileError then unless `create`); new hosts added by a rebalance when asked. The
-    read -> write holds the file's lock (none is made where no file may be made)."""
+    read -> write holds the file's lock (none is made where no file may be made). `seen["before"]`:
+    the assignment as read (None: no file), for the diff."""
     if not create and read_assignment(path) is None:
         raise _not_made_here(path, hosts)
     with _one_at_a_time(path, check_mode):
+        if seen is not None:
+            seen["before"] = read_assignment(path)
         return _resolve(path, hosts, buckets, check_mode, create, rebalance, started, answered)
 
 
@@ -287,14 +327,18 @@ def _resolve(
 
 
 def takeover(
-    path: str, host: str, finished: str, live: list[str], check_mode: bool
+    path: str, host: str, finished: str, live: list[str], check_mode: bool, *,
+    reported: dict[str, str] | None = None, disk_lost: bool = False, park_window_s: int | None = None,
+    seen: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], bool, dict[str, str]]:
-    """(assignment, changed, moved): `host`'s unfinished buckets moved to `live` (hsx.fleetplan); the
-    read -> write holds the file's lock (none is made where there is no file)."""
+    """(assignment, changed, moved): `host`'s unfinished buckets moved to `live` (hsx.fleetplan); with
+    `reported`, a `host` not in it parks what the record says it finished. The read -> write holds the
+    file's lock (none is made where there is no file). `seen["before"]`: the assignment as read."""
     if read_assignment(path) is None:
         raise _no_file_to_take_over(path, host)
     with _one_at_a_time(path, check_mode):
-        return _takeover(path, host, finished, live, check_mode)
+        return _takeover(path, host, finished, live, check_mode, reported, disk_lost, park_window_s,
+                         seen if seen is not None else {})
 
 
 def _no_file_to_take_over(path: str, host: str) -> AssignmentFileError:
@@ -302,20 +346,44 @@ def _no_file_to_take_over(path: str, host: str) -> AssignmentFileError:
 
 
 def _takeover(
-    path: str, host: str, finished: str, live: list[str], check_mode: bool
+    path: str, host: str, finished: str, live: list[str], check_mode: bool, reported: dict[str, str] | None,
+    disk_lost: bool, park_window_s: int | None, seen: dict[str, Any],
 ) -> tuple[dict[str, Any], bool, dict[str, str]]:
-    recorded = read_assignment(path)
+    recorded = seen["before"] = read_assignment(path)
     if recorded is None:
         raise _no_file_to_take_over(path, host)
-    done = _spec_set(finished, recorded["buckets"], f"finished buckets of {host}")
+    n = recorded["buckets"]
+    last = None
+    if reported is None:  # no record kept: the host counts as answered with `finished`
+        done: set[int] | None = _spec_set(finished, n, f"finished buckets of {host}")
+    elif host in reported:
+        done = _spec_set(reported[host], n, f"reported finished buckets of {host}")
+    else:  # it did not answer: what it last reported, from the record
+        done, last = None, read_record(record_path(path), n).get(host)
     try:
-        new, moves = plan_takeover(recorded, host, done, live, _now())
+        new, moves = plan_takeover(recorded, host, done, live, _now(), recorded=last, disk_lost=disk_lost,
+                                   park_window_s=park_window_s)
     except AssignError as e:
         raise AssignmentFileError(f"{path}: {e}") from None
     changed = new is not recorded
     if changed and not check_mode:
         _write(path, new, recorded)
     return new, changed, {h: format_ranges(b) for h, b in moves.items()}
+
+
+def _record(path: str, buckets: int, reported: dict[str, str] | None, by: str) -> None:
+    """What the hosts that answered reported finished, recorded beside the assignment (hsx.finishedrecord)."""
+    if reported:
+        sets = {h: _spec_set(str(spec or ""), buckets, f"reported finished buckets of {h}")
+                for h, spec in reported.items()}
+        update_record(record_path(path), buckets, sets, by, _now())
+
+
+def _diff(path: str, before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, str]:
+    """The file's text before and after (--diff)."""
+    return {"before_header": path, "after_header": path,
+            "before": encode(before).decode("utf-8") if before is not None else "",
+            "after": encode(after).decode("utf-8")}
 
 
 def main() -> None:
@@ -331,6 +399,9 @@ def main() -> None:
             "rebalance": {"type": "bool", "default": False},
             "started": {"type": "str", "default": ""},
             "answered": {"type": "list", "elements": "str"},
+            "reported": {"type": "dict"},
+            "disk_lost": {"type": "bool", "default": False},
+            "park_window": {"type": "int", "default": 86400},
         },
         supports_check_mode=True,
     )
@@ -350,20 +421,28 @@ def main() -> None:
                 f"moved the fleet's assignment from {migrated} to {path}: Ansible read the old place as an "
                 "inventory source (-i DIR); nothing in it changed"
             )
+        seen: dict[str, Any] = {}
         if p["takeover"]:
-            assignment, changed, moved = takeover(path, p["takeover"], p["finished"], p["live_hosts"], module.check_mode)
+            assignment, changed, moved = takeover(
+                path, p["takeover"], p["finished"], p["live_hosts"], module.check_mode, reported=p["reported"],
+                disk_lost=p["disk_lost"], park_window_s=p["park_window"], seen=seen,
+            )
         else:
             assignment, changed, said, moved = resolve(
                 path, list(p["hosts"]), p["buckets"], module.check_mode, p["create"], p["rebalance"], p["started"],
-                p["answered"],
+                p["answered"], seen,
             )
             warnings += said
+        if not module.check_mode:
+            _record(path, assignment["buckets"], p["reported"], "takeover" if p["takeover"] else "rebalance")
     except AssignmentFileError as e:
         module.fail_json(msg=str(e), path=path)
     for w in warnings:
         module.warn(w)
     new, gone = host_changes(assignment["hosts"], p["hosts"])
+    extra = {"diff": _diff(path, seen.get("before"), assignment)} if module._diff and changed else {}
     module.exit_json(
+        **extra,
         changed=changed or bool(migrated),
         path=os.path.abspath(p["path"]),
         migrated_from=migrated,
@@ -373,6 +452,7 @@ def main() -> None:
         epoch=assignment.get("epoch", 0),
         retired=assignment.get("retired", []),
         moved=moved,
+        parked={h: e["buckets"] for h, e in (assignment.get("parked") or {}).items()},
         new_hosts=new,
         gone_hosts=gone,
     )

@@ -57,10 +57,10 @@ def test_a_write_is_refused_when_the_file_changed_since_it_was_read(tmp_path, mo
     path = fleet(tmp_path)
     real_plan = mod.plan_takeover
 
-    def plan_while_someone_edits(assignment, *args):  # another writer comes in between, taking no lock
+    def plan_while_someone_edits(assignment, *args, **kwargs):  # another writer comes in between, taking no lock
         meanwhile, _ = real_plan(assignment, "n3", set(), ["n1", "n2"], "t")
         write_assignment(str(path), meanwhile)
-        return real_plan(assignment, *args)
+        return real_plan(assignment, *args, **kwargs)
 
     monkeypatch.setattr(mod, "plan_takeover", plan_while_someone_edits)
     with pytest.raises(AssignmentFileError, match=r"changed since this play read it \(epoch 0 then, 1 now\).*rerun"):
