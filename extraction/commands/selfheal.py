@@ -38,10 +38,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--host", required=True, help="the alert's hsx_host")
     r.add_argument("--remedy", required=True, choices=sorted(remedy_mod.REMEDY_PLAYBOOKS))
     r.add_argument("--alert", default="?", help="the alert's name (for the record and the breaker's alert)")
-    r.add_argument("--project-dir", type=Path, required=True, help="the checkout (its ansible.cfg and playbooks)")
+    r.add_argument("--project-dir", type=Path,
+                   help="a checkout: its ansible.cfg (when it has one) and playbooks; without it, the installed "
+                        "collection hsx.recovery's playbooks by FQCN and your own Ansible configuration")
     r.add_argument("--inventory", action="append", required=True, help="the real inventory (repeatable)")
-    r.add_argument("--playbook", help="the remedy playbook relative to --project-dir (default by --remedy)")
-    r.add_argument("--report-dir", required=True)
+    r.add_argument("--playbook", help="the remedy playbook: a FQCN, or a path relative to --project-dir (default by "
+                   f"--remedy: {', '.join(remedy_mod.REMEDY_PLAYBOOKS.values())} in a checkout, "
+                   f"{', '.join(remedy_mod.INSTALLED_PLAYBOOKS.values())} without one)")
+    r.add_argument("--report-dir", help="where the recovery writes its reports (default: reports/ in --project-dir, "
+                   "else reports/ in --state-dir)")
     r.add_argument("--max-failures", type=int, default=pol.Policy.max_failures,
                    help="failed automatic recoveries of a host in a row before a person is asked")
     r.add_argument("--settle", type=float, default=60.0, help="seconds to wait for other nodes' alerts before deciding")
@@ -85,10 +90,16 @@ def run_remedy(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hsx selfheal: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    project_dir = args.project_dir.resolve() if args.project_dir else None
+    if project_dir is not None and not project_dir.is_dir():
+        print(f"hsx selfheal: --project-dir {project_dir} is not a directory: nothing run", file=sys.stderr)
+        return EXIT_USAGE
+    defaults = remedy_mod.REMEDY_PLAYBOOKS if project_dir else remedy_mod.INSTALLED_PLAYBOOKS
+    report_dir = args.report_dir or str((project_dir or args.state_dir) / "reports")
     req = remedy_mod.Request(
-        host=args.host, remedy=args.remedy, alert=args.alert, project_dir=args.project_dir.resolve(),
-        inventories=args.inventory, playbook=args.playbook or remedy_mod.REMEDY_PLAYBOOKS[args.remedy],
-        report_dir=args.report_dir, max_failures=args.max_failures, settle_s=args.settle, state_dir=args.state_dir,
+        host=args.host, remedy=args.remedy, alert=args.alert, project_dir=project_dir,
+        inventories=args.inventory, playbook=args.playbook or defaults[args.remedy],
+        report_dir=report_dir, max_failures=args.max_failures, settle_s=args.settle, state_dir=args.state_dir,
         textfile_dir=args.textfile_dir, verify=not args.no_verify, exporter_port=args.exporter_port,
         progress_window_s=args.progress_window)
     try:

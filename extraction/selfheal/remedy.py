@@ -1,6 +1,8 @@
 """One automatic remedy, as the self-healing rulebook asks for it (extensions/eda/playbooks/selfheal_remedy.yml
 runs `hsx selfheal remedy`): record the request, let a storm show itself, verify the alert's claim, apply
-the brakes (hsx.selfheal policy), and only then run recover.yml or playbooks/takeover.yml in place -
+the brakes (hsx.selfheal policy), and only then run recover.yml or playbooks/takeover.yml in place (a
+checkout's, with its ansible.cfg when it has one; without --project-dir, the installed collection's
+hsx.recovery.recover or hsx.recovery.takeover by FQCN, with the operator's own Ansible configuration) -
 then record the outcome, which may open the breaker or hold the host.
 
     record request -> settle (default 60 s) -> verify (extensions/eda/playbooks/selfheal_verify.yml) -> decide
@@ -17,6 +19,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,7 +33,13 @@ from extraction.selfheal import policy as pol
 from extraction.selfheal import promtext
 from extraction.selfheal.verify import Verification, verify
 
+# The remedy playbooks: from a checkout (paths in --project-dir), or from the installed collection
+# hsx.recovery (by FQCN: ansible-playbook finds them in the collections path; no checkout, no ansible.cfg).
 REMEDY_PLAYBOOKS = {"recover": "recover.yml", "takeover": "playbooks/takeover.yml"}
+INSTALLED_PLAYBOOKS = {"recover": "hsx.recovery.recover", "takeover": "hsx.recovery.takeover"}
+VERIFY_PLAYBOOK = "extensions/eda/playbooks/selfheal_verify.yml"  # in a checkout
+INSTALLED_VERIFY_PLAYBOOK = "hsx.recovery.selfheal_verify"
+_FQCN = re.compile(r"^[A-Za-z_]\w*\.[A-Za-z_]\w*\.[A-Za-z_]\w*$")
 
 
 @dataclass(frozen=True)
@@ -38,9 +47,9 @@ class Request:
     host: str
     remedy: str  # recover | takeover
     alert: str
-    project_dir: Path
+    project_dir: Path | None  # a checkout; None: the installed collection (playbooks by FQCN)
     inventories: list[str]
-    playbook: str  # relative to project_dir
+    playbook: str  # a FQCN, or a path (relative to project_dir)
     report_dir: str
     max_failures: int  # the node-side guard of recover.yml (playbooks/shared/selfheal_guard.yml)
     settle_s: float
@@ -60,8 +69,29 @@ def _bin(name: str) -> str:
     return str(here) if here.exists() else name
 
 
+def is_fqcn(playbook: str) -> bool:
+    """`ns.collection.name`: a collection's playbook, which ansible-playbook resolves itself."""
+    return bool(_FQCN.match(playbook))
+
+
+def playbook_arg(project_dir: Path | None, playbook: str) -> str:
+    """What ansible-playbook is given: a FQCN as it is, a path relative to the checkout (or as given)."""
+    return playbook if is_fqcn(playbook) or project_dir is None else str(project_dir / playbook)
+
+
+def verify_playbook(project_dir: Path | None) -> str:
+    """The verification play: the checkout's when it has one, else the installed collection's."""
+    if project_dir is not None and (project_dir / VERIFY_PLAYBOOK).is_file():
+        return str(project_dir / VERIFY_PLAYBOOK)
+    return INSTALLED_VERIFY_PLAYBOOK
+
+
 def _env(req: Request) -> dict[str, str]:
-    env = dict(os.environ, ANSIBLE_CONFIG=str(req.project_dir / "ansible.cfg"))
+    """The playbooks' environment: a checkout's ansible.cfg when it has one (its roles_path, library, ...);
+    otherwise the operator's own Ansible configuration, as for any installed collection."""
+    env = dict(os.environ)
+    if req.project_dir is not None and (req.project_dir / "ansible.cfg").is_file():
+        env["ANSIBLE_CONFIG"] = str(req.project_dir / "ansible.cfg")
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     return env
 
@@ -158,6 +188,7 @@ def run(req: Request, policy: pol.Policy) -> int:
 def _verify_decide_act(req: Request, policy: pol.Policy, ledger: ledger_mod.Ledger, rid: str, nodes: list[str]) -> int:
 
     check = (verify(req.project_dir, req.inventories, req.host, req.remedy, env=_env(req),
+                    playbook=verify_playbook(req.project_dir),
                     exporter_port=req.exporter_port, progress_window_s=req.progress_window_s) if req.verify
              else Verification(f"{pol.FINDING_CONFIRMED}: not verified (verification off)"))
     log(f"verification: {check.finding}")
@@ -227,7 +258,7 @@ def _after_outcome(state: dict, policy: pol.Policy, now: float, host: str, fleet
 def _run_playbook(req: Request) -> int:
     extra = {"hsx_selfheal": True, "hsx_report_dir": req.report_dir, "hsx_selfheal_max_failures": req.max_failures}
     host_args = ["-e", json.dumps({"hsx_takeover_host": req.host})] if req.remedy == "takeover" else ["--limit", req.host]
-    argv = [_bin("ansible-playbook"), str(req.project_dir / req.playbook),
+    argv = [_bin("ansible-playbook"), playbook_arg(req.project_dir, req.playbook),
             *[a for inv in req.inventories for a in ("-i", inv)], *host_args, "-e", json.dumps(extra)]
     log("running " + " ".join(argv))
     return subprocess.run(argv, cwd=req.project_dir, env=_env(req)).returncode
