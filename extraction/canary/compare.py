@@ -50,6 +50,15 @@ class SampleCheck:
     bit_equal: dict[str, bool] = field(default_factory=dict)  # per state
     ok: bool = False
     why: str = ""  # what differs, for a sample that is not ok
+    # how it was re-extracted (extraction/canary/rebuild.py): "batch" (its original batch rebuilt)
+    # or "alone" (why_alone says why), and the bound its states were held to
+    mode: str = "alone"
+    why_alone: str = ""
+    batch: str | None = None  # the batch's id (runner/batchlog.py)
+    batch_line: int | None = None  # its line in batches.jsonl
+    rows: int = 1  # samples in the forward it ran in
+    width: int = 0  # the padded length of that forward
+    tolerance: float | None = None
 
     @property
     def max_rel_error(self) -> float:
@@ -65,6 +74,13 @@ class SampleCheck:
             "max_rel_error": _json_float(self.max_rel_error),
             "ok": self.ok,
             "why": self.why,
+            "mode": self.mode,
+            "why_alone": self.why_alone,
+            "batch": self.batch,
+            "batch_line": self.batch_line,
+            "rows": self.rows,
+            "width": self.width,
+            "tolerance": self.tolerance,
         }
 
 
@@ -90,7 +106,7 @@ def compare_sample(
         and tuple(loss_mask.shape) == tuple(want_mask.shape)
         and bool(torch.equal(loss_mask.cpu().to(want_mask.dtype), want_mask))
     )
-    check = SampleCheck(sample_id, int(want_ids.numel()), tokens_equal)
+    check = SampleCheck(sample_id, int(want_ids.numel()), tokens_equal, tolerance=tolerance)
     if not tokens_equal:
         check.why = (
             f"input_ids/loss_mask differ from the shard's ({int(input_ids.numel())} tokens now, "

@@ -8,16 +8,18 @@ Contract:
   by OUTPUT/buckets.json's totals), when it has one: a finished bucket's samples never change, so
   the choice is stable as the run goes on. Else (no buckets, no buckets.json, none finished yet)
   from every candidate.
-- Ranked by `canary_rank` (sha256 of a fixed prefix and the id): the first `k`. The same output
-  gives the same samples on every run and every host; the file's state plays no part in the
-  choice, so a chosen shard that is missing or bad is an error the check reports, never a reason
-  to pick another.
+- Ranked by `canary_rank` (sha256 of a fixed prefix and the id), the samples of `prefer` first
+  (those whose original batch the canary can rebuild: a line of OUTPUT/batches.jsonl published
+  them), the first `k`. The same output gives the same samples on every run and every host; the
+  shard file's state plays no part in the choice, so a chosen shard that is missing or bad is an
+  error the check reports, never a reason to pick another.
 Stdlib and hsx only.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from hsx.bucketcount import done_per_bucket, finished_buckets, read_bucket_totals
@@ -41,9 +43,11 @@ class Pick:
     source: str  # "finished buckets (N)" or "every indexed sample"
 
 
-def pick_samples(output: str, state: IndexState, fingerprint: str | None, k: int) -> Pick:
-    """The first `k` candidates of `state` (index.jsonl read back) by canary_rank (see the
-    module's contract). `fingerprint`: run.json's (manifest_fingerprint)."""
+def pick_samples(
+    output: str, state: IndexState, fingerprint: str | None, k: int, prefer: Collection[str] = ()
+) -> Pick:
+    """The first `k` candidates of `state` (index.jsonl read back) by canary_rank, `prefer`'s first
+    (see the module's contract). `fingerprint`: run.json's (manifest_fingerprint)."""
     untrusted = entry_problems((sid, e.path) for sid, e in state.entries.items())
     good = {
         sid: e
@@ -58,5 +62,5 @@ def pick_samples(output: str, state: IndexState, fingerprint: str | None, k: int
         in_finished = {sid: e for sid, e in good.items() if bucket_of(sid, n) in finished}
         if in_finished:
             good, source = in_finished, f"finished buckets ({len({bucket_of(s, n) for s in in_finished})})"
-    ranked = sorted(good, key=canary_rank)[: max(0, k)]
+    ranked = sorted(good, key=lambda sid: (sid not in prefer, canary_rank(sid)))[: max(0, k)]
     return Pick([good[sid] for sid in ranked], len(good), source)

@@ -42,7 +42,12 @@ class CanaryResult:
     output: str
     requested: int = 0  # samples asked for (--samples)
     samples: list[SampleCheck] = field(default_factory=list)
-    tolerance: float | None = None
+    tolerance: float | None = None  # the largest bound a compared sample was held to
+    batch_tolerance: float = 0.0  # the bound of samples re-run in their original batch
+    fallback_tolerance: float | None = None  # the bound of samples re-run alone
+    rebuilt: int = 0  # original batches rebuilt and forwarded
+    forwarded: int = 0  # samples run through the model (the rebuilt batches' rows and the ones alone)
+    batch_log: str = ""  # what OUTPUT/batches.jsonl held (check._describe_log)
     dtype: str | None = None
     backend: str | None = None
     device: str | None = None
@@ -81,6 +86,11 @@ class CanaryResult:
             "bit_equal": sum(all(s.bit_equal.values()) and bool(s.bit_equal) for s in self.samples),
             "max_rel_error": None if worst is None else _json_float(worst),
             "tolerance": self.tolerance,
+            "batch_tolerance": self.batch_tolerance,
+            "fallback_tolerance": self.fallback_tolerance,
+            "rebuilt_batches": self.rebuilt,
+            "forwarded": self.forwarded,
+            "batch_log": self.batch_log,
             "dtype": self.dtype,
             "backend": self.backend,
             "device": self.device,

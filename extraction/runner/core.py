@@ -28,6 +28,7 @@ from extraction.process import heap
 from extraction.process.outputlock import OutputLock
 from extraction.publish.diskguard import DiskGuard, estimate_shard_bytes
 from extraction.publish.publisher import BatchPublisher, Publisher
+from extraction.runner.batchlog import BatchLog
 from extraction.runner.forward import (
     Forward,
     check_backend,
@@ -178,6 +179,7 @@ class Runner:
         left = reporter.total - reporter.done
         self.log(f"starting: {left} of {reporter.total} samples to do; loading the model ({cfg.backend} backend)")
         status_thread = None
+        batch_log: BatchLog | None = None
         if cpu_forward_threads(cfg, self.writer_threads) is not None:
             heap.keep_freed_memory()  # before the forks: the helpers keep theirs too
         heap.release_free_memory()  # what the heap holds free now would be shared with the helpers
@@ -234,8 +236,10 @@ class Runner:
             tick = life.refresh_free if lines is None else lambda: (life.refresh_free(), lines.tick())
             status_thread = StatusThread(reporter, cfg.status_interval, tick)
             status_thread.start()
+            if cfg.backend == "hf":  # what the canary rebuilds (a server makes its own batches)
+                batch_log = BatchLog(cfg.output, cfg.device, self.log)
             with forward_threads(cfg, self.writer_threads, self.log, tm):
-                self._pipeline(Forward(self.backend, cfg, life, self.publisher))
+                self._pipeline(Forward(self.backend, cfg, life, self.publisher, batch_log))
         except RunError as e:
             reporter.set_state("failed", str(e))
             self.log(str(e))
@@ -245,6 +249,8 @@ class Runner:
                 self.producer.stop()
             if self.publisher is not None:
                 self.publisher.close()
+            if batch_log is not None:
+                batch_log.close()
             if status_thread is not None:
                 status_thread.stop()
             life.restore_signals(handlers)

@@ -18,6 +18,9 @@ Contract:
   A batch goes on to the one-by-one search at once; a sample alone that runs out of memory fails
   (errors.jsonl: "out of memory in the forward (not retried): ...", attempts 1), the run goes on.
 - On a CPU device the forward runs on `cpu_forward_threads` torch threads, restored after.
+- With a `batch_log` (runner/batchlog.py; the hf backend), every batch that ran is recorded there
+  before it is returned (so before the publisher indexes any of it): its rows in order, and the
+  ones it publishes; a sample of the one-by-one search, alone.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from extraction.backends.base import Backend, Sample, SampleStates
 from extraction.inputs.config import ExtractConfig
 from extraction.publish.publisher import Publisher, Work
+from extraction.runner.batchlog import BatchLog
 from extraction.runner.lifecycle import Lifecycle, RunError
 from hsx import cores
 from hsx.exitcodes import EXIT_FAILED
@@ -126,8 +130,16 @@ def forward_threads(
 class Forward:
     """The forward stage (see the module's contract), for one backend and publisher."""
 
-    def __init__(self, backend: Backend, cfg: ExtractConfig, ledger: Lifecycle, publisher: Publisher):
+    def __init__(
+        self,
+        backend: Backend,
+        cfg: ExtractConfig,
+        ledger: Lifecycle,
+        publisher: Publisher,
+        batch_log: BatchLog | None = None,
+    ):
         self.backend, self.cfg, self.ledger, self.publisher = backend, cfg, ledger, publisher
+        self.batch_log = batch_log
         self._async = getattr(backend, "extract_async", None)
         host_empty = publisher.host_empty
         # into the publisher's memory where it gives some (the writer process's buffer)
@@ -143,6 +155,7 @@ class Forward:
         if results is not None:
             ledger.consecutive_errors = 0
             work.results, work.ready, work.batch = results, ready, states
+            self._note(work.samples, work.pending)
             return work
         if ledger.stop_event.is_set() and ledger.abort is None and ledger.pause is None:
             return None  # interrupted while backing off
@@ -169,9 +182,16 @@ class Forward:
                     ledger.sample_failed(s, why, n)
                 continue
             ledger.consecutive_errors = 0
+            self._note([s], {s.sample_id})
             kept_samples.append(s)
             kept_results.append(res[0])
         return Work(kept_samples, work.pending, kept_results) if kept_samples else None
+
+    def _note(self, samples: list[Sample], pending: set[str]) -> None:
+        """The batch that ran, into the batch log (torch's threads on a CPU device)."""
+        if self.batch_log is not None:
+            threads = torch.get_num_threads() if self.cfg.device.startswith("cpu") else None
+            self.batch_log.record(((s.sample_id, int(s.input_ids.numel())) for s in samples), pending, threads)
 
     def _try_extract(
         self, batch: list[Sample], shared: bool = True

@@ -1,7 +1,10 @@
 """`hsx canary` (extraction/canary/): a real extraction of a few tiny samples (hf backend, CPU), then the
-canary on it - equal -> passed; the model's weights perturbed -> mismatch naming the samples and the
-error; the tolerance's edge; a fresh output -> skipped; a chosen shard missing or corrupt, or a dataset
-without the sample -> an error, never a pass; and the output left as it was, but for canary.json."""
+canary on it - each sample re-run in its original batch (OUTPUT/batches.jsonl) -> bit-equal, passed at
+tolerance 0; the model's weights perturbed -> mismatch naming the samples and the error; without a
+batch log (older shards) each sample alone within the dtype's bound, and the bound's edge; a fresh
+output -> skipped; a chosen shard missing or corrupt, or a dataset without the sample -> an error,
+never a pass; and the output left as it was, but for canary.json. The batch log's own tests:
+test_canary_batch.py."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from extraction.canary.check import run_canary
 from extraction.canary.pick import canary_rank, pick_samples
 from extraction.canary.result import CANARY_NAME
 from extraction.cli import main
+from extraction.runner.batchlog import BATCHES_NAME
 from extraction.testbed.tiny import write_tiny_dataset
 from hsx.buckets import bucket_of
 from hsx.exitcodes import EXIT_CANARY_MISMATCH, EXIT_FAILED, EXIT_OK, EXIT_USAGE
@@ -90,10 +94,13 @@ def test_equal_states_pass_and_the_output_is_left_as_it_was(job, capsys) -> None
     before = tree(job["output"])
     code, res = canary_cli(job["config"], capsys=capsys)
     assert (code, res["state"], res["checked"], res["mismatched"]) == (EXIT_OK, "passed", 2, []), res
-    assert res["dtype"] == "float32" and res["tolerance"] == 1e-4
-    for s in res["samples"]:
-        assert s["tokens_equal"] and s["ok"], s
-        assert 0 <= s["max_rel_error"] <= 1e-4, s  # one at a time vs in a batch of 4: the last bits only
+    assert res["dtype"] == "float32" and res["tolerance"] == 0 and res["fallback_tolerance"] == 1e-4
+    for s in res["samples"]:  # in its original batch (of 4), rebuilt: the shard's own bits
+        assert s["tokens_equal"] and s["ok"] and s["mode"] == "batch" and s["rows"] == 4, s
+        assert s["max_rel_error"] == 0 and all(s["bit_equal"].values()), s
+    assert res["bit_equal"] == 2 and res["rebuilt_batches"] in (1, 2)
+    assert res["forwarded"] == 4 * res["rebuilt_batches"]  # whole batches, not 2 samples
+    assert f"{res['forwarded']} sample(s) forwarded" in res["message"]
     assert res["seconds"] > 0 and res["model_load_seconds"] > 0 and res["forward_seconds"] > 0
     after = tree(job["output"])
     assert after.pop(CANARY_NAME)[0] > 0  # the record, and nothing else changed
@@ -139,18 +146,21 @@ def test_perturbed_weights_are_a_mismatch_naming_samples_and_error(job, tmp_path
     assert res["max_rel_error"] > 1e-2  # 1% weight noise: far past the float32 bound
     for s in res["samples"]:
         assert s["tokens_equal"] and not s["ok"] and s["id"] in res["message"]
-        assert f"relative error {s['rel_error']['hidden_state']:.3g} > tolerance 0.0001" in s["why"]
+        assert f"relative error {s['rel_error']['hidden_state']:.3g} > tolerance 0" in s["why"]
     after = tree(job["output"])
     assert json.loads((job["output"] / CANARY_NAME).read_text())["state"] == "mismatch"
     del after[CANARY_NAME]
     assert after == before  # nothing written to the output but the record
 
 
-def test_the_tolerance_is_an_inclusive_bound(job, backend) -> None:
+def test_without_a_batch_log_each_sample_runs_alone_within_the_bound(job, backend) -> None:
+    (job["output"] / BATCHES_NAME).unlink()  # an output written before batch membership was recorded
     factory = lambda _cfg, _ids: backend  # noqa: E731 - the shared real hf backend (same layers, fp32)
     first = run_canary(job["cfg"], 2, backend_factory=factory)
     worst = first.max_rel_error
     assert first.state == "passed" and worst is not None and worst > 0  # fp32: alone vs in a batch of 4
+    assert first.forwarded == 2 and first.tolerance == 1e-4 and "alone" in first.message
+    assert {s.mode for s in first.samples} == {"alone"} and f"no {BATCHES_NAME}" in first.samples[0].why_alone
     at = run_canary(job["cfg"], 2, worst, backend_factory=factory)
     assert (at.state, at.max_rel_error) == ("passed", worst)
     under = run_canary(job["cfg"], 2, math.nextafter(worst, 0), backend_factory=factory)
