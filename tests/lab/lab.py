@@ -7,7 +7,7 @@ ext4 /data. Everything the lab creates carries the prefix `hsxlab`, and `up` fir
 killed earlier run left behind under that prefix (containers, cgroups, mounts, namespaces) and
 nothing else.
 
-    lab.py up N [--data-size 512M] [--no-data NAME...] [--ro-data NAME...]
+    lab.py up N [--data-size 512M] [--no-data NAME...] [--ro-data NAME...] [--venv PATH]
     lab.py down | status | inventory [--out FILE] | ensure | ssh NAME CMD...
     lab.py poweroff NAME | boot NAME | cpu-log
 
@@ -16,6 +16,13 @@ network link goes down, so the control node sees what it sees of a dead node (no
 out); its disks (the rootfs overlay, /data) stay, with whatever reached them. `boot` starts it
 again from those disks, through systemd's normal boot (enabled units start). Unlike a real power
 cut, writes still in the page cache are not lost (the kernel is shared).
+
+`--venv PATH` gives every host a venv of the control node at the same path, as a node image would
+have it installed (tests/molecule/sglang_server: the released SGLang of tests/sglang_cpu/install.py,
+7.4 GB, never copied): an overlayfs per host, the venv read-only below and the host's own upper
+layer above (what the host writes there - SGLang's patched model file, the hook - stays on that
+host, and the control node's venv is never written), its interpreter re-pointed at the host's own
+Python of the same minor version (repoint_venv). A venv whose Python the rootfs lacks is refused.
 
 Ansible reads the hosts through inventory/lab/lab_hosts.py (a dynamic inventory); a powered-off
 host stays in it, as a dead node stays in a site's inventory.
@@ -148,6 +155,7 @@ class Host:
     data: str  # "rw", "ro" or "none"
     data_size: str
     pid: int = 0
+    venv: str = ""  # a control node's venv the host sees at the same path (--venv); "" none
 
     @property
     def dir(self) -> Path:
@@ -158,9 +166,9 @@ class Host:
         return veth_name(self.index)
 
     @classmethod
-    def make(cls, index: int, data: str, data_size: str) -> Host:
+    def make(cls, index: int, data: str, data_size: str, venv: str = "") -> Host:
         return cls(name=f"{PREFIX}-{index}", index=index, address=f"{SUBNET}.{index}.2",
-                   peer=f"{SUBNET}.{index}.1", data=data, data_size=data_size)
+                   peer=f"{SUBNET}.{index}.1", data=data, data_size=data_size, venv=venv)
 
 
 def veth_name(index: int) -> str:
@@ -227,6 +235,36 @@ def cleanup(name: str) -> None:
     shutil.rmtree(host_dir, ignore_errors=True)
 
 
+def venv_python(venv: Path, rootfs: Path) -> str:
+    """The rootfs's interpreter for `venv` (/usr/bin/pythonX.Y, X.Y from the venv's pyvenv.cfg
+    `version`); LabError naming both when the venv is not one or the rootfs has no such Python."""
+    cfg = venv / "pyvenv.cfg"
+    try:
+        fields = {k.strip(): v.strip() for k, v in (ln.split("=", 1) for ln in cfg.read_text().splitlines() if "=" in ln)}
+    except OSError as exc:
+        raise LabError(f"--venv {venv}: not a venv ({cfg}: {exc.strerror})") from None
+    version = ".".join(fields.get("version", fields.get("version_info", "")).split(".")[:2])
+    python = f"/usr/bin/python{version}"
+    if not version or not (rootfs / python.lstrip("/")).exists():
+        raise LabError(f"--venv {venv} was made by Python {version or '?'} ({cfg}), which the hosts' "
+                       f"rootfs {rootfs} does not have ({python}): make the venv with that Python")
+    return python
+
+
+def repoint_venv(view: Path, python: str) -> None:
+    """Make the venv at `view` (a host's writable view of it) run with `python`, the host's own
+    interpreter: pyvenv.cfg's home and executable, and bin/python, python3, pythonX.Y as links to it.
+    Its site-packages (compiled for that minor version) stay as they are."""
+    cfg = view / "pyvenv.cfg"
+    lines = [line for line in cfg.read_text().splitlines()
+             if line.split("=", 1)[0].strip() not in ("home", "executable", "command")]
+    cfg.write_text("\n".join([f"home = {Path(python).parent}", *lines, f"executable = {python}"]) + "\n")
+    for name in ("python", "python3", Path(python).name):
+        link = view / "bin" / name
+        link.unlink(missing_ok=True)
+        link.symlink_to(python)
+
+
 def prepare(host: Host, rootfs: Path, pubkey: str) -> None:
     d = host.dir
     for sub in ("upper", "work", "merged", "data"):
@@ -239,6 +277,12 @@ def prepare(host: Host, rootfs: Path, pubkey: str) -> None:
     (ssh_dir / "authorized_keys").write_text(pubkey)
     (merged / "etc/hostname").write_text(host.name + "\n")
     (merged / "data").mkdir(exist_ok=True)
+    if host.venv:  # the venv read-only below, the host's writes in its own upper layer
+        for sub in ("venv-upper", "venv-work", "venv"):
+            (d / sub).mkdir(exist_ok=True)
+        run(["mount", "-t", "overlay", "overlay", "-o",
+             f"lowerdir={host.venv},upperdir={d / 'venv-upper'},workdir={d / 'venv-work'}", str(d / "venv")])
+        repoint_venv(d / "venv", venv_python(Path(host.venv), rootfs))
     if host.data != "none":
         img = d / "data.img"
         run(["truncate", "-s", host.data_size, str(img)])
@@ -272,6 +316,8 @@ def launch(host: Host) -> None:
     if host.data != "none":
         flag = "--bind-ro" if host.data == "ro" else "--bind"
         cmd.append(f"{flag}={host.dir / 'data'}:/data")
+    if host.venv:
+        cmd.append(f"--bind={host.dir / 'venv'}:{host.venv}")
     logf = open(host.dir / "console.log", "wb")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                             preexec_fn=enter_cgroups, start_new_session=True)
@@ -332,11 +378,15 @@ def wait_booted(host: Host, deadline: float) -> str:
                    f"see {host.dir / 'console.log'}")
 
 
-def up(count: int, data_size: str, no_data: set[str], ro_data: set[str], start: int = 1) -> list[Host]:
+def up(count: int, data_size: str, no_data: set[str], ro_data: set[str], start: int = 1,
+       venv: Path | None = None) -> list[Host]:
     if os.geteuid() != 0:
         raise LabError("the lab needs root (namespaces, mounts, nspawn)")
     ensure_control_packages()
     rootfs = ensure_rootfs()
+    if venv:
+        venv = venv.resolve()
+        venv_python(venv, rootfs)  # refused before any host is made
     pubkey = Path(str(lab_key()) + ".pub").read_text()
     for name in host_names_on_disk():
         log(f"removing leftover {name}")
@@ -345,7 +395,7 @@ def up(count: int, data_size: str, no_data: set[str], ro_data: set[str], start: 
     for i in range(start, start + count):
         name = f"{PREFIX}-{i}"
         mode = "none" if name in no_data else "ro" if name in ro_data else "rw"
-        hosts.append(Host.make(i, mode, data_size))
+        hosts.append(Host.make(i, mode, data_size, str(venv or "")))
     t0 = time.monotonic()
     for host in hosts:
         prepare(host, rootfs, pubkey)
@@ -425,8 +475,9 @@ def inventory_data() -> dict:
         },
         # The plays act on this group (hsx_target's default): every lab host is an extraction node.
         "extraction_nodes": {"children": ["lab"]},
+        # lab_venv: the venv the host sees at the control node's path (up --venv), "" none.
         "_meta": {"hostvars": {h.name: {"ansible_host": h.address, "lab_data_mode": h.data,
-                                        "lab_data_size": h.data_size} for h in hosts}},
+                                        "lab_data_size": h.data_size, "lab_venv": h.venv} for h in hosts}},
     }
 
 
@@ -460,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--data-size", default=os.environ.get("HSX_LAB_DATA_SIZE", "512M"))
     p_up.add_argument("--no-data", nargs="*", default=[], metavar="NAME", help="hosts without a /data mount")
     p_up.add_argument("--ro-data", nargs="*", default=[], metavar="NAME", help="hosts with /data read-only")
+    p_up.add_argument("--venv", type=Path, help="a venv every host sees at the same path (its writes its own)")
     sub.add_parser("down", help="remove every lab host")
     sub.add_parser("status", help="list lab hosts")
     p_inv = sub.add_parser("inventory", help="print (or write) the Ansible inventory of running hosts as JSON")
@@ -474,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.cmd == "up":
-            up(args.count, args.data_size, set(args.no_data), set(args.ro_data))
+            up(args.count, args.data_size, set(args.no_data), set(args.ro_data), venv=args.venv)
         elif args.cmd == "down":
             down()
         elif args.cmd == "status":
