@@ -85,4 +85,9 @@ if [ -n "$py310" ] && [ $# -eq 0 ]; then
 else
     echo "collection sanity: no python3.10 here; the 3.10 compile/import check did not run"
 fi
+# The newest ansible-core's smoke lane on the same collection (tools/collection/core_latest.sh): syntax
+# checks, ansible-doc of every module and role, one module run; about 7 s of CPU (its venv, once: 7 more).
+if [ $# -eq 0 ]; then
+    "${BIN%/.venv/bin}/tools/collection/core_latest.sh" "$out" || rc=1
+fi
 exit $rc
