@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sglang_release_ast import ROOT
 from sglang_server_args import VALUE, check_command_line, config_file_args, server_flags
 
+from hsx.sglang_versions import MIN_VERSION, base_version
+
 ROLE = ROOT / "roles" / "sglang_server"
 
 
@@ -65,6 +67,9 @@ def render_server(version: str, **overrides: Any) -> tuple[list[str], str, str]:
         "hsx_model_path": "/data/models/Kimi-K2",
         "hsx_sglang_venv": "/opt/sglang/venv",
         "sglang_server_version": version,
+        # What the sglang_info module answers for a pinned sglang_server_version (nothing asked).
+        "_sglang_server_version_found": {"release": base_version(version), "min_version": MIN_VERSION,
+                                         "check_mode": False, "error": None},
         "ansible_managed": "Ansible managed",
         "_sglang_server_api_key": "0123456789abcdef" * 4,
         **overrides,
