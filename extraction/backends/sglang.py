@@ -9,11 +9,12 @@ ids the ones the run records) and delete. The runner streams samples to `extract
 batch (extraction/runner/stream.py); `extract(samples)` runs a list at once (tests, tools).
 
 A dump is never mapped (a dump that shrinks or a disk read error fails that sample, not the
-client) and its file is unlinked once read. Where the hook found the states finite (format 2's
-`finite` field) they are not read here at all: the sample's states are FileBytes over the dump's
-open descriptors, copied into the shard as it is written (extraction/shards/filebytes.py); else
-(an older hook, or NaN/Inf found) they are read into memory of ours (pread) and a request chunked
-prefill cut into pieces is joined with one copy more (torch.cat).
+client) and its file is unlinked once read. The states are not read here at all: they are
+FileBytes over the dump's open descriptors, copied into the shard as it is written, every value
+checked for NaN/Inf on the way (extraction/shards/filebytes.py: the client takes no header's word
+for it); only where the hook's header says it found a NaN/Inf (format 2's `finite` false) or the
+dump is format 1 are they read into memory of ours (pread; the publisher refuses the NaN) and a
+request chunked prefill cut into pieces is joined with one copy more (torch.cat).
 
 The reply to POST /generate has a deadline for the whole of it (`reply_deadline`, default
 REPLY_DEADLINE_S) and a size cap (`reply_max_bytes`, default REPLY_MAX_BYTES): the socket timeout
@@ -386,7 +387,7 @@ class SGLangBackend:
             input_ids=sample.input_ids,
             hidden_state=dump.hidden_state,
             aux_hidden_state=dump.aux_hidden_state,
-            finite=dump.finite,  # the hook's check (docs/security.md: whose word it is)
+            finite=dump.finite,  # True: FileBytes that check their values as they are copied
         )
 
     def _attempt(self, ids: list[int], rid: str, sample_id: str) -> dumps.RequestDump:

@@ -7,9 +7,18 @@ file and the problem, so a bad dump never becomes a shard. A dump that is not co
 piece, a gap, fewer tokens than sent) is a DumpIncomplete, waited for; any other DumpError is final
 (the pieces are renamed into place whole, so a piece refused now stays refused) and fails the
 sample at once. A dump is never mapped: its bytes are read (pread) into memory the client owns,
-or, states the hook's header says are finite (hsx_dump_format.FINITE_FIELD; read_request's
-states_in_files), left in the file as FileBytes for the shard writer to copy; either way a file
-that shrinks or a disk that fails under the read is a DumpError for that sample, not a SIGBUS.
+or (read_request's states_in_files) the states are left in the file as FileBytes for the shard
+writer to copy; either way a file that shrinks or a disk that fails under the read is a DumpError
+for that sample, not a SIGBUS.
+
+NaN/Inf, who checks what: the client checks every value itself, never on the header's word. States
+left in the files are FileBytes with `check` set: each value is checked as it is copied into the
+shard (or read), in the copy's cache-resident buffer (extraction/shards/filebytes.py, ~0.07 s of one
+core a GiB); a NaN/Inf fails that sample's shard (its temp removed) and the message names the dump
+file and the byte. States read into memory are checked by the publisher (all_finite). The hook's
+header field (hsx_dump_format.FINITE_FIELD, computed where the states are) only decides early: a
+piece that says `false` is read into memory, where the publisher's check refuses it; `true` or no
+field (a hook deployed before 2026-12-06) leaves the states in the files, checked on the way.
 The format itself: hsx_dump_format.py (the file the hook writes with, deployed beside it).
 Every file here is someone else's: opened without following a link or waiting on a FIFO,
 required to be a regular file, read bounded.
@@ -34,13 +43,13 @@ import select
 import stat
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from extraction.sglang import hsx_dump_format as fmt
 from extraction.sglang.hsx_dump_format import FAILED_SUFFIX, rid_stem
-from extraction.shards.filebytes import FileBytes, OpenFile, in_memory
+from extraction.shards.filebytes import FileBytes, OpenFile
 
 _KEYS = fmt.DUMP_TENSORS  # a piece's tensors, in the file's order
 _STATE_KEYS = ("hidden_state", "aux_hidden_state")  # the tensors a finite piece leaves in its file
@@ -68,9 +77,9 @@ class RequestDump:
     capture_owner: str
     sglang_version: str
     pieces: int
-    # The hook's NaN/Inf check of the states (format 2's FINITE_FIELD): True when every piece says
-    # finite (the states are then FileBytes, left in the dump files); else None: a piece without
-    # the field (an older hook) or one saying false - the client reads and checks them itself.
+    # True when the states are FileBytes left in the dump files that check their own values as
+    # they are copied or read (check=True: a NaN/Inf fails that copy, so no one else need check);
+    # None when they were read into memory: the publisher checks them (module docstring).
     finite: bool | None = None
 
 
@@ -115,12 +124,12 @@ def _open_untrusted(path: str, what: str) -> tuple[int, os.stat_result]:
     return fd, info
 
 
-def _load(path: str, rid: str) -> dict:
+def _load(path: str, rid: str, states_in_files: bool = False) -> dict:
     """One piece, checked: a dict with the header's fields and the three tensors, each `n` rows;
     DumpError naming the file for anything else. Format 2's tensors are read into memory of
-    ours (_read_tensors), but for the states of a piece whose header says the hook found them
-    finite: those stay in the file, a FileBytes holding its descriptor (the shard writer copies
-    them). Format 1 (a hook deployed before 2026-12-05, in a server not restarted since) is read
+    ours (_read_tensors), but with `states_in_files` for the states of a piece whose header does
+    not say the hook found a NaN/Inf (FINITE_FIELD true or absent): those stay in the file, FileBytes holding its descriptor
+    that check their values as the shard writer copies them. Format 1 (a hook deployed before 2026-12-05, in a server not restarted since) is read
     with torch.load."""
     fd, info = _open_untrusted(path, "dump")
     kept = None  # the OpenFile that took the descriptor over (states left in the file)
@@ -133,7 +142,7 @@ def _load(path: str, rid: str) -> dict:
         if v1:
             record = _load_v1(path)
         else:
-            record, kept = _load_v2(path, fd, head, info.st_size)
+            record, kept = _load_v2(path, fd, head, info.st_size, states_in_files)
     finally:
         if kept is None:
             os.close(fd)
@@ -175,10 +184,12 @@ def _load_v1(path: str) -> dict:
     return record
 
 
-def _load_v2(path: str, fd: int, head: bytes, size: int) -> tuple[dict, OpenFile | None]:
-    """A format 2 dump's header, checked against the file, and its tensors: all read, or (the
-    hook found the states finite: fmt.FINITE_FIELD true) the input ids read and the states left
-    in the file, FileBytes over an OpenFile that takes `fd` over (returned; else None). The
+def _load_v2(
+    path: str, fd: int, head: bytes, size: int, states_in_files: bool
+) -> tuple[dict, OpenFile | None]:
+    """A format 2 dump's header, checked against the file, and its tensors: all read (without
+    `states_in_files`, or the hook found a NaN/Inf: fmt.FINITE_FIELD false), or the input ids read and the states left in the
+    file, FileBytes (check=True) over an OpenFile that takes `fd` over (returned; else None). The
     record's `finite` is the header's value, None where it has none (an older hook)."""
     if len(head) != fmt.DUMP_HEAD.size or head[:8] != fmt.DUMP_MAGIC:
         raise DumpError(f"{path}: not a {fmt.FORMAT} dump (its first bytes are {head[:8]!r})")
@@ -195,7 +206,7 @@ def _load_v2(path: str, fd: int, head: bytes, size: int) -> tuple[dict, OpenFile
         raise DumpError(f"{path}: header field {fmt.FINITE_FIELD!r} is {finite!r}, not true or false")
     record = {key: meta[key] for key in _FIELDS}
     record["finite"] = finite
-    if finite is not True:
+    if finite is False or not states_in_files:  # (false: refused anyway, by the publisher's check)
         record.update(_read_tensors(path, fd, tensors, size))
         return record, None
     record.update(_read_tensors(path, fd, {"input_ids": tensors["input_ids"]}, tensors["hidden_state"][2]))
@@ -204,7 +215,7 @@ def _load_v2(path: str, fd: int, head: bytes, size: int) -> tuple[dict, OpenFile
     # both closing it would close a number some other file may have got in between.
     kept = OpenFile(fd, path, size)
     for name, (dtype, shape, at) in spans.items():
-        record[name] = FileBytes(dtype, shape, ((kept, at, _nbytes(dtype, shape)),), DumpError)
+        record[name] = FileBytes(dtype, shape, ((kept, at, _nbytes(dtype, shape)),), DumpError, check=True)
     return record, kept
 
 
@@ -298,8 +309,10 @@ def read_request(
     directory: str, rid: str, expected_len: int | None = None, states_in_files: bool = False
 ) -> RequestDump:
     """Join the pieces of one request; DumpError unless they cover 0..L exactly (DumpIncomplete:
-    not yet; DumpWriteFailed: the hook left a marker). With `states_in_files`, states the hook
-    found finite stay in the files (FileBytes: the shard writer copies them); else they are read."""
+    not yet; DumpWriteFailed: the hook left a marker). With `states_in_files`, the states stay in
+    the files (FileBytes that check their values as the shard writer copies them: `finite` True)
+    unless a piece's header says the hook found a NaN/Inf; else they are read (unchecked: the
+    publisher checks them; `finite` None)."""
     for marker in failed_paths(directory, rid):
         raise DumpWriteFailed(
             f"{marker}: the server could not write this piece of request {rid!r}: {_marker_reason(marker)}"
@@ -307,7 +320,9 @@ def read_request(
     paths = piece_paths(directory, rid)
     if not paths:
         raise DumpIncomplete(f"no dump for request {rid!r} in {directory}")
-    records = sorted(((_load(p, rid), p) for p in paths), key=lambda rp: int(rp[0]["offset"]))
+    records = sorted(
+        ((_load(p, rid, states_in_files), p) for p in paths), key=lambda rp: int(rp[0]["offset"])
+    )
     first, first_path = records[0]
     if int(first["offset"]) != 0:
         raise DumpError(
@@ -340,16 +355,16 @@ def read_request(
     if int(first["aux_hidden_state"].shape[-1]) != hidden * len(first["layer_ids"]):
         raise DumpError(f"{first_path}: aux width does not match {len(first['layer_ids'])} layers x {hidden}")
 
-    in_files = states_in_files and all(r["finite"] is True for r, _ in records)  # else all are read
+    in_files = states_in_files and all(isinstance(r["hidden_state"], FileBytes) for r, _ in records)
 
     def cat(key: str) -> torch.Tensor | FileBytes:
-        parts = [r[key] if in_files else in_memory(r[key]) for r, _ in records]
+        parts = [r[key] if in_files else _read_unchecked(r[key]) for r, _ in records]
         if len(parts) == 1:
             return parts[0]
         if isinstance(parts[0], FileBytes):  # the pieces' spans in row order: still nothing read
             rows = sum(int(p.shape[0]) for p in parts)
             spans = tuple(span for p in parts for span in p.spans)
-            return FileBytes(parts[0].dtype, (rows, *parts[0].shape[1:]), spans, DumpError)
+            return FileBytes(parts[0].dtype, (rows, *parts[0].shape[1:]), spans, DumpError, check=True)
         return torch.cat(parts, dim=0)
 
     return RequestDump(
@@ -363,6 +378,12 @@ def read_request(
         pieces=len(records),
         finite=True if in_files else None,
     )
+
+
+def _read_unchecked(t: torch.Tensor | FileBytes) -> torch.Tensor:
+    """`t` in memory; a FileBytes read without its NaN/Inf check (the publisher checks what is in
+    memory, naming the sample and the tensor)."""
+    return replace(t, check=False).read() if isinstance(t, FileBytes) else t
 
 
 def _marker_reason(path: str) -> str:

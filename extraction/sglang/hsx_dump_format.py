@@ -15,8 +15,12 @@ The contract, format hsx-sglang-dump/2, one file per request and prefill piece:
   {"dtype", "shape", "at"}};
 - `finite` (FINITE_FIELD, since 2026-12-06, optional): true when the hook found no NaN/Inf in the
   piece's hidden_state and aux_hidden_state (computed on the GPU, before the host copy), false
-  when it found one. A dump without it (a hook deployed before) says nothing: the client checks
-  the states itself. Who may write a dump, and so who is trusted for this field: docs/security.md.
+  when it found one. The client takes it as advice, not proof: it checks every value itself as
+  it copies the states into the shard (extraction/shards/filebytes.py, ~0.07 s of a core a GiB),
+  so a NaN under `true` still fails its sample; `false` lets it refuse the piece early. Hence no
+  format bump for it: a dump without the field (a hook deployed before 2026-12-06) is read the
+  same way, checked the same way. FORMAT_V1 (a hook deployed before 2026-12-05, in a server not
+  restarted since) is still read, by torch.load, its states checked by the publisher.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ index with one write (and fsync it). The bytes are torch.save's:
 laid out directly by `torchzip` (checked byte for byte against this host's torch.save at start; the
 tensors go to one writev from where they lie, the GIL released - or, a state left in the server's
 dump files (extraction/shards/filebytes.py), copied from them through a small buffer while its
-CRC32 is taken) or, where that check fails, by torch.save itself. The index's checksum is the CRC32 of the whole file (the same bytes `full`
+CRC32 is taken and, where it says so (`check`), its values are checked for NaN/Inf: a
+ShardDataError for that sample, the temp removed) or, where that check fails, by torch.save itself. The index's checksum is the CRC32 of the whole file (the same bytes `full`
 verification checksums). A crash at any point leaves either no final file, or a complete fsynced
 one that the index may not list yet (the verifier reports it as unindexed). Temp names start with
 '.' and end in '.tmp', so nothing that looks for `.pt` files ever sees one.
@@ -30,7 +31,7 @@ import torch
 
 import hsx.fsutil
 from extraction.shards import torchzip
-from extraction.shards.filebytes import FileBytes, in_memory
+from extraction.shards.filebytes import FileBytes, NonFiniteBytes, in_memory
 from hsx.fsutil import LinkRefused, open_dir_nofollow, open_subdir, unlink_quiet
 from hsx.index import (
     IndexEntry,
@@ -148,6 +149,16 @@ def _is_disk_full(exc: BaseException | None) -> bool:
     return False
 
 
+def _read_checked(t: torch.Tensor | FileBytes, key: str) -> torch.Tensor:
+    """`t` in memory (a FileBytes read, its values checked where it says so: NonFiniteBytes
+    naming `key`)."""
+    try:
+        return in_memory(t)
+    except NonFiniteBytes as e:
+        e.key = key
+        raise
+
+
 def _on_cpu(t: torch.Tensor | FileBytes, dtype: torch.dtype) -> torch.Tensor | FileBytes:
     """A contiguous CPU tensor of `dtype`: `t` itself (or a view) when it already is one; a
     FileBytes (build_payload kept it: of `dtype`) as it is."""
@@ -194,7 +205,11 @@ def _write_steps(f: Any, layout: torchzip.TorchZipLayout, payload: dict[str, Any
             if isinstance(piece, FileBytes):
                 writev_all(fd, run, f.name)
                 run = []
-                crc = piece.copy_to(fd, layout.crc32)
+                try:
+                    crc = piece.copy_to(fd, layout.crc32)
+                except NonFiniteBytes as e:  # the key, for write()'s message
+                    e.key = next((k for k, v in payload.items() if v is piece), None)
+                    raise
             else:
                 run.append(memoryview(piece))
                 crc = None if isinstance(piece, bytes) else layout.crc32(piece)
@@ -319,7 +334,8 @@ class ShardWriter:
         shard is laid out by torchzip in the run's dtype; else it is read into memory here."""
         m = self.manifest
         hidden_state, aux_hidden_state = (
-            t if self._stays_in_file(t) else in_memory(t) for t in (hidden_state, aux_hidden_state)
+            t if self._stays_in_file(t) else _read_checked(t, key)
+            for t, key in ((hidden_state, KEY_HIDDEN), (aux_hidden_state, KEY_AUX))
         )
         if hidden_state.dim() == 2:
             hidden_state = _batch_of_one(hidden_state)
@@ -394,11 +410,16 @@ class ShardWriter:
         the index (a crash now leaves an unindexed shard, which resume redoes). commit() makes a
         batch of them durable and done with one index write: the runner commits once per batch.
         """
-        payload = self.build_payload(sample_id, input_ids, loss_mask, hidden_state, aux_hidden_state)
         relpath = shard_relpath(sample_id)
         final = os.path.join(self.output_dir, relpath)
-        self._ensure_dir(os.path.dirname(final))
-        size, crc = self._write_atomically(payload, final)
+        try:
+            payload = self.build_payload(sample_id, input_ids, loss_mask, hidden_state, aux_hidden_state)
+            self._ensure_dir(os.path.dirname(final))
+            size, crc = self._write_atomically(payload, final)
+        except NonFiniteBytes as e:  # a state checked as it was copied (or read): nothing left
+            raise ShardDataError(
+                f"sample {sample_id!r}: {e.key or 'a state'} has NaN or Inf values: {e}"
+            ) from None
         return IndexEntry(
             sample_id=sample_id,
             path=relpath,

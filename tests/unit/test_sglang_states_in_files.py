@@ -1,10 +1,10 @@
-"""States the hook found finite stay in the dump files and go into the shard from there (#38's way back).
+"""States stay in the dump files and go into the shard from there (#38's way back, #49 item 6).
 
-The hook records each piece's finiteness in the dump's header (hsx_dump_format.FINITE_FIELD); the
-client then never reads those states into memory (nor maps them): they are FileBytes over the
-dump's descriptor, copied into the shard by the writer through a small buffer, CRC32 taken on the
-way (extraction/shards/filebytes.py). Real dump files written by the hook's own writer, real
-shards, read back by `hsx verify`.
+The client never reads the states into memory (nor maps them): they are FileBytes over the dump's
+descriptor, copied into the shard by the writer through a small buffer, CRC32 taken and every
+value checked for NaN/Inf on the way (extraction/shards/filebytes.py); the hook's header field
+(hsx_dump_format.FINITE_FIELD) only refuses early. Real dump files written by the hook's own
+writer, real shards, read back by `hsx verify`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from shard_helpers import H, K, manifest
 
 from extraction.sglang import dumps, hook, hsx_dump_format
 from extraction.shards import ShardWriter
-from extraction.shards.filebytes import FileBytes, in_memory
+from extraction.shards.filebytes import FileBytes, NonFiniteBytes, first_nonfinite, in_memory
 from extraction.shards.verify import verify_output
+from extraction.shards.writer import ShardDataError
 from hsx.index import read_index
 from hsx.layout import KEY_AUX, KEY_HIDDEN
 
@@ -114,36 +115,89 @@ def test_a_dump_that_shrinks_fails_its_sample_only_and_leaves_nothing(tmp_path):
     assert list(read_index(str(tmp_path / "out")).entries) == ["s1"]
 
 
-def test_a_finite_claim_is_the_servers_word_deep_verification_checks_it(tmp_path):
-    """The trust rule (docs/security.md): only the server's account can create names in the dump
-    directory (dump_dir_problem, at both ends), so `finite: true` is the server's word and the
-    client does not check the values: a NaN under it reaches the shard, whose bytes and CRCs
-    still agree (full passes); deep verification finds the NaN. `false`, a missing field or
-    anything but a boolean is no claim: the states are read and the client checks them."""
+def _plant(path, at: int, value: bytes = b"\xc0\x7f") -> None:
+    """Overwrite the bytes at `at` (default a bf16 NaN, 0x7FC0)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(value)
+
+
+@pytest.mark.parametrize("value", [b"\xc0\x7f", b"\x80\x7f", b"\x80\xff"], ids=["nan", "inf", "-inf"])
+def test_a_finite_claim_is_checked_on_the_bytes_as_they_are_copied(tmp_path, value):
+    """The client does not take the header's word (docs/sglang_hook.md, "NaN/Inf: who checks
+    what"): a NaN/Inf under `finite: true` (a hook bug, a file changed after it was written) is
+    found in the copy, the sample refused as a NaN always was (ShardDataError naming the tensor,
+    the dump file and the byte), nothing of its shard left; the next sample is written as ever."""
     (tmp_path / "dumps").mkdir()
     _dump(tmp_path / "dumps", [(0, 6)], finite=True)
     path = tmp_path / "dumps" / hsx_dump_format.dump_name(RID, 0)
-    record = dumps._load(str(path), RID)
-    at = record["hidden_state"].spans[0][1]
-    with open(path, "r+b") as f:  # a NaN (bf16 0x7FC0) where the header says finite
-        f.seek(at)
-        f.write(b"\xc0\x7f")
+    record = dumps._load(str(path), RID, states_in_files=True)
+    at = record["aux_hidden_state"].spans[0][1] + 2 * (6 * H * K - 1)  # its very last value
+    _plant(path, at, value)
     kept = dumps.read_request(str(tmp_path / "dumps"), RID, expected_len=6, states_in_files=True)
-    assert kept.finite is True and torch.isnan(in_memory(kept.hidden_state)).any()
-    _publish(tmp_path / "out", "s0", kept)
-    assert verify_output(str(tmp_path / "out"), "full").ok == 1
-    deep = verify_output(str(tmp_path / "out"), "deep")
-    assert [b.reason for b in deep.bad] == [f"{KEY_HIDDEN} has NaN or Inf values"]
+    assert kept.finite is True and isinstance(kept.aux_hidden_state, FileBytes)
+    writer = ShardWriter(tmp_path / "out", manifest(), check_finite=False)
+    ones = torch.ones_like(kept.input_ids)
+    want = rf"sample 's0': {KEY_AUX} has NaN or Inf values: {path}: a NaN or Inf bfloat16 value at byte {at}$"
+    with pytest.raises(ShardDataError, match=want):
+        writer.publish("s0", kept.input_ids, ones, kept.hidden_state, kept.aux_hidden_state)
+    assert [p for p in (tmp_path / "out").rglob("*") if p.is_file()] == [tmp_path / "out" / "run.json"]
+    with pytest.raises(NonFiniteBytes, match=rf"at byte {at}$"):  # read into memory: the same check
+        in_memory(kept.aux_hidden_state)
+    ids, hidden, parts = _states(6, seed=1)
+    writer.publish("s1", ids, ones, hidden, torch.cat(parts, dim=-1))
+    assert list(read_index(str(tmp_path / "out")).entries) == ["s1"]
 
-    for claim in (False, None):
-        (tmp_path / f"d{claim}").mkdir()
-        _dump(tmp_path / f"d{claim}", [(0, 6)], **({} if claim is None else {"finite": claim}))
-        got = dumps.read_request(str(tmp_path / f"d{claim}"), RID, states_in_files=True)
-        assert got.finite is None and isinstance(got.hidden_state, torch.Tensor), claim
+
+def test_no_claim_is_checked_the_same_a_false_one_is_read_and_refused(tmp_path):
+    """A header without the field (a hook deployed before 2026-12-06) leaves the states in the
+    files too, checked as they are copied: the same shard as from memory, and its NaN refused
+    when the states go through memory instead (a run in another dtype: the writer reads them).
+    `false` (the hook found a NaN/Inf) is read into memory, `finite` None: the publisher's
+    check refuses it. Anything but a boolean is a DumpError."""
+    (tmp_path / "dnone").mkdir()
+    _dump(tmp_path / "dnone", [(0, 6)])
+    kept = dumps.read_request(str(tmp_path / "dnone"), RID, expected_len=6, states_in_files=True)
+    read = dumps.read_request(str(tmp_path / "dnone"), RID, expected_len=6)
+    assert kept.finite is True and isinstance(kept.hidden_state, FileBytes) and kept.hidden_state.check
+    assert read.finite is None and isinstance(read.hidden_state, torch.Tensor)
+    assert _publish(tmp_path / "a", "s0", kept) == _publish(tmp_path / "b", "s0", read)
+    path = tmp_path / "dnone" / hsx_dump_format.dump_name(RID, 0)
+    _plant(path, kept.hidden_state.spans[0][1] + 10)
+    writer = ShardWriter(tmp_path / "c", manifest(dtype="float32"), check_finite=False)
+    with pytest.raises(ShardDataError, match=rf"{KEY_HIDDEN} has NaN or Inf values: {path}: .* at byte"):
+        writer.publish(
+            "s0", kept.input_ids, torch.ones(6, dtype=torch.long), *(kept.hidden_state, kept.aux_hidden_state)
+        )
+    (tmp_path / "dfalse").mkdir()
+    _dump(tmp_path / "dfalse", [(0, 6)], finite=False)
+    got = dumps.read_request(str(tmp_path / "dfalse"), RID, states_in_files=True)
+    assert got.finite is None and isinstance(got.hidden_state, torch.Tensor)
     (tmp_path / "dyes").mkdir()
     _dump(tmp_path / "dyes", [(0, 6)], finite="yes")
     with pytest.raises(dumps.DumpError, match=r"'finite' is 'yes', not true or false"):
         dumps.read_request(str(tmp_path / "dyes"), RID)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_first_nonfinite_finds_every_nan_and_inf_and_nothing_else(dtype):
+    """The copy's check, by dtype: the largest finite values, subnormals and zeros of both signs
+    pass; NaN, +Inf, -Inf are found at their index, anywhere in a chunk."""
+    info = torch.finfo(dtype)
+    edge = torch.tensor([info.max, -info.max, info.tiny / 2, -0.0, 0.0, info.min], dtype=dtype)
+    t = torch.cat([edge, torch.randn(5000).to(dtype)])
+    assert first_nonfinite(tensor_view(t), dtype) is None
+    assert first_nonfinite(memoryview(b""), dtype) is None
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, 17, t.numel() - 1):
+            u = t.clone()
+            u[where] = bad
+            u[-1] = bad  # a second one after it: the first is named
+            assert first_nonfinite(tensor_view(u), dtype) == where, (bad, where)
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
