@@ -29,9 +29,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "hosts that answered (recorded in the fleet's assignment file) and their jobs resume with them; HOST's job "
         "is stopped where it answers. HOST may be a host of the assignment file no longer in the inventory. Writes "
         "reports/<timestamp>-takeover/. Exit 0: done (HOST itself may be unreachable); 1: some other host failed, "
-        "or no plan; 2: usage.",
+        "or no plan; 2: usage. An unreachable HOST keeps the buckets it last reported finished (recorded on the "
+        "control node by fleet-status, a takeover or a rebalance), parked: not redone until its output is read "
+        "again, the park window passes (hsx_takeover_park_window, default 86400 s) or --disk-lost.",
     )
     p.add_argument("host", metavar="HOST", help="the inventory name of the host to take over")
+    p.add_argument(
+        "--disk-lost",
+        action="store_true",
+        help="HOST's disk is gone: its parked and finished buckets move to the live hosts too and are redone",
+    )
     add_playbook_arguments(p)
     p.set_defaults(func=run)
 
@@ -56,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     except OperatorError as e:
         print(f"hsx takeover: {e}", file=sys.stderr)
         return EXIT_USAGE
-    args.extra_vars = [*(args.extra_vars or []), json.dumps({"hsx_takeover_host": args.host})]
+    extra = {"hsx_takeover_host": args.host, **({"hsx_takeover_disk_lost": True} if args.disk_lost else {})}
+    args.extra_vars = [*(args.extra_vars or []), json.dumps(extra)]
     code = run_playbook(args, "takeover.yml", "takeover")
     artifacts = (args.report_dir or REPORTS).resolve() / ".runner" / "artifacts"
     runs = sorted(artifacts.glob(f"*-takeover-{os.getpid()}"))  # this process's run (run_playbook's ident)

@@ -92,3 +92,23 @@ def test_a_host_whose_index_cannot_be_read_takes_nothing(tmp_path) -> None:
     assert check.returncode == 0, check.stdout[-3000:]
     assert "Would move n3's unfinished buckets: n1 takes 4-5 (n3 keeps nothing" in flat(check.stdout), \
         check.stdout[-3000:]
+
+
+def test_an_unreachable_host_keeps_what_it_last_reported_finished_parked(tmp_path) -> None:
+    """Issue #51 item 7: the record beside the file (finished.json: fleet-status read n3's output before
+    it died) says n3 finished bucket 4: it stays parked on n3, only 5 moves; --disk-lost moves both."""
+    fleet = {"buckets": 6, "created": "x", "epoch": 0, "hosts": {"n1": "0-1", "n2": "2-3", "n3": "4-5"},
+             "retired": [], "history": []}
+    (tmp_path / "fleet.json").write_text(json.dumps(fleet))
+    (tmp_path / "finished.json").write_text(json.dumps({"version": 1, "buckets": 6, "hosts": {
+        "n3": {"finished": "4", "at": "2026-12-07T10:00:00+00:00", "by": "fleet-status"}}}))
+    plant_output(tmp_path / "n1", "0-1", [])
+    plant_output(tmp_path / "n2", "2-3", [])
+    check = takeover(tmp_path, "n3", "--check")
+    assert check.returncode == 0, check.stdout[-3000:]
+    assert "Would move n3's unfinished buckets: n1 takes 5 (n3 keeps 4: parked, not answering" in flat(check.stdout), \
+        check.stdout[-3000:]
+    lost = takeover(tmp_path, "n3", "--check", "-e", "hsx_takeover_disk_lost=true")
+    assert "Would move n3's unfinished buckets: n1 takes 4; n2 takes 5 (n3 keeps nothing" in flat(lost.stdout), \
+        lost.stdout[-3000:]
+    assert json.loads((tmp_path / "fleet.json").read_text()) == fleet
