@@ -1,33 +1,33 @@
-#!/usr/bin/python3
-"""Give a directory tree to the hsx account without following a link: hsx-own-tree USER GROUP [--check] SPEC...
+"""Give a directory tree to an account without following a link (the own_tree module; roles/hsx's
+`own_tree` entry point gives the extraction's output and the dump directory to the hsx account).
 
-SPEC is `PATH` (the top may be a link: the operator's path, e.g. OUTPUT on another disk; it must be
+A SPEC is `PATH` (the top may be a link: the operator's path, e.g. OUTPUT on another disk; it must be
 root's own link to an existing directory - a dangling link, or one another user made, is refused) or
 `=PATH` (the top must be a real directory: a link there is refused, e.g. the dump directory).
-Runs as root (roles/hsx, tasks_from own_tree). For each PATH: creates it if absent (0750, missing
-parents root's 0755); refuses a top owned by someone other than root or USER (not ours to take);
-then walks it by directory descriptors (iteratively, whatever its depth; links never followed) and, for every directory and
-regular file not already USER:GROUP's, sets that owner and clears the bits of others (files 0640,
-directories 0750 from the usual 0644/0755); what is already the account's keeps the modes the job
-gave it. Never touched, only counted: links (their targets stay as they are), files
-with more than one hard link (one may be a planted link to a file outside, e.g. /etc/shadow), and
-anything not a directory or regular file (FIFOs, devices, sockets). Prints one JSON line:
-{"changed": bool, "paths": {PATH: {created, changed, skipped_links, skipped_hardlinks, skipped_other}}};
-exit 1 with a message (no traceback) for a refusal or an error.
+For each PATH (run as root): creates it if absent (0750, missing parents root's 0755); refuses a top
+owned by someone other than root or the account (not ours to take); then walks it by directory
+descriptors (iteratively, whatever its depth; links never followed) and, for every directory and
+regular file not already the account's (uid and gid), sets that owner and clears the bits of others
+(files 0640, directories 0750 from the usual 0644/0755) and setuid/setgid; what is already the
+account's keeps the modes the job gave it. Never touched, only counted: links (their targets stay as
+they are), files with more than one hard link (one may be a planted link to a file outside, e.g.
+/etc/shadow), and anything not a directory or regular file (FIFOs, devices, sockets).
+With `check` nothing changes and the counts say what would.
+
+Part of the stdlib-only core: shipped to Ansible hosts as ansible.module_utils.hsx.owntree.
 """
 
-import grp
-import json
+from __future__ import annotations
+
 import os
-import pwd
 import stat
-import sys
+import typing as t
 
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def fix(fd, uid, gid, check, counts):
+def fix(fd: int, uid: int, gid: int, check: bool, counts: dict) -> None:
     """Owner and mode of the object behind `fd` (a directory or regular file we opened without following)."""
     st = os.fstat(fd)
     mode = stat.S_IMODE(st.st_mode)
@@ -44,13 +44,16 @@ def fix(fd, uid, gid, check, counts):
     os.fchmod(fd, want)
 
 
-def refuse(message):
-    """End with exit 1 and `message` on stderr (no traceback: a person reads it in Ansible's output)."""
-    print(f"hsx-own-tree: {message}", file=sys.stderr)
-    raise SystemExit(1)
+class OwnTreeError(Exception):
+    """A refusal or an error, said for a person (no traceback): what, where, and what to do."""
 
 
-def check_top_link(path, top_st, strict):
+def refuse(message: str) -> t.NoReturn:
+    """Stop with `message` (OwnTreeError)."""
+    raise OwnTreeError(message)
+
+
+def check_top_link(path: str, top_st: os.stat_result, strict: bool) -> None:
     """A link at the top: refused where the path must be real (`=PATH`); else followed only when
     root made it (anyone else's link would point root's chown anywhere, /etc say) and it leads to
     a directory."""
@@ -76,9 +79,9 @@ def check_top_link(path, top_st, strict):
         refuse(f"{path} is a symbolic link to {target}, which is not a directory: point it at a directory and run again.")
 
 
-def own_file(name, dirfd, uid, gid, check, counts):
+def own_file(name: str, dirfd: int, uid: int, gid: int, check: bool, counts: dict) -> None:
     """One entry of a directory that is not a directory: a regular file with one link is fixed,
-    the rest counted (see the module's docstring)."""
+    the rest counted (see this file's docstring)."""
     lst = os.lstat(name, dir_fd=dirfd)
     if stat.S_ISLNK(lst.st_mode):
         counts["skipped_links"] += 1
@@ -103,7 +106,7 @@ def own_file(name, dirfd, uid, gid, check, counts):
         os.close(fd)
 
 
-def walk(top, uid, gid, check, counts):
+def walk(top: int, uid: int, gid: int, check: bool, counts: dict) -> None:
     """Every directory below the open directory `top` (closed here) and its entries, without
     recursion (a tree may be deeper than Python's stack) and without following a link: a
     directory is opened relative to its parent's fd with O_NOFOLLOW, its subdirectories are
@@ -134,7 +137,8 @@ def walk(top, uid, gid, check, counts):
             os.close(fd)
 
 
-def own(spec, uid, gid, check):
+def own(spec: str, uid: int, gid: int, check: bool) -> dict:
+    """One SPEC: the counts {created, changed, skipped_links, skipped_hardlinks, skipped_other}."""
     strict = spec.startswith("=")
     path = spec[1:] if strict else spec
     counts = {"created": False, "changed": 0, "skipped_links": 0, "skipped_hardlinks": 0, "skipped_other": 0}
@@ -169,29 +173,13 @@ def own(spec, uid, gid, check):
     return counts
 
 
-def main(argv):
-    args = [a for a in argv if a != "--check"]
-    check = len(args) != len(argv)
-    if len(args) < 3:
-        raise SystemExit(__doc__.splitlines()[0])
-    user, group, specs = args[0], args[1], args[2:]
-    try:
-        uid, gid = pwd.getpwnam(user).pw_uid, grp.getgrnam(group).gr_gid
-    except KeyError as e:
-        if check:  # the account would be made first
-            print(json.dumps({"changed": True, "paths": {}, "note": f"no account yet: {e}"}))
-            return 0
-        raise SystemExit(f"hsx-own-tree: no such user or group: {e}") from None
+def own_trees(specs: t.Sequence[str], uid: int, gid: int, check: bool) -> dict[str, dict]:
+    """{PATH: counts} for each SPEC, in order; OwnTreeError for the first refusal or error (the
+    trees before it were done, nothing further was changed)."""
     result = {}
     for spec in specs:
         try:
             result[spec.lstrip("=")] = own(spec, uid, gid, check)
         except OSError as e:  # a disk error, too many open files, a path that changed under us
             refuse(f"{spec.lstrip('=')}: {e.filename or ''}: {e.strerror or e}; nothing further was changed there")
-    changed = any(c["created"] or c["changed"] for c in result.values())
-    print(json.dumps({"changed": changed, "paths": result}, sort_keys=True))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    return result
