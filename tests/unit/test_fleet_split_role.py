@@ -69,6 +69,9 @@ def test_each_host_gets_its_buckets_and_the_fleet_runs_every_bucket_once(tmp_pat
     assert proc.returncode == 0, proc.stdout[-3000:]
     after = json.loads((tmp_path / "fleet" / "assignment.json").read_text())
     assert after["epoch"] == 1 and len(parse_assign(after["hosts"]["n4"], 1024)) == 256
+    # What the hosts read reported finished is recorded beside it (issue #51: a takeover parks it).
+    record = json.loads((tmp_path / "fleet" / "finished.json").read_text())
+    assert record["hosts"] and {e["by"] for e in record["hosts"].values()} == {"rebalance"}
     assert config(tmp_path, "n4")["assign"] == after["hosts"]["n4"]
     assert sorted(b for h in after["hosts"].values() for b in parse_assign(h, 1024)) == list(range(1024))
     # A host taken over (it owns nothing, retired) keeps its config as it was: never "the whole dataset".
