@@ -8,6 +8,7 @@ recover.yml end to end; this one is also the takeover rule's only test (its play
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -83,10 +84,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def install_collection(tmp_path: Path) -> Path:
+    """The collection as a user gets it: tools/collection/build.py's tarball, installed by ansible-galaxy
+    into a fresh collections path (returned)."""
+    spec = importlib.util.spec_from_file_location("hsx_collection_build", REPO / "tools" / "collection" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    tarball = build.build_tarball(build.build(tmp_path / "build"), tmp_path / "build" / "dist")
+    colls = tmp_path / "collections"
+    # --force, and outside the checkout: its ansible.cfg's collections path has an hsx.recovery (a link).
+    subprocess.run([str(BIN / "ansible-galaxy"), "collection", "install", "--offline", "--force", "-p", str(colls),
+                    str(tarball)], check=True, capture_output=True, cwd=tmp_path)
+    return colls
+
+
 def start_rulebook(tmp_path: Path, hosts: list[str], rulebook_vars: dict, *, slow: bool = False,
-                   window: str | None = None) -> tuple[subprocess.Popen, Path]:
+                   window: str | None = None, installed: Path | None = None) -> tuple[subprocess.Popen, Path]:
     """The real rulebook (optionally with a shorter throttle window) whose remedies are stand-ins in a
     temporary checkout; the real wrapper, `hsx selfheal remedy` and extensions/eda/playbooks/selfheal_verify.yml.
+    `installed` (a collections path holding hsx.recovery, install_collection): the installed rulebook
+    instead, `-r hsx.recovery.selfheal` with no checkout and no ansible.cfg, its wrapper and verification
+    by FQCN, whose hsx.recovery.recover and hsx.recovery.takeover are replaced there by the stand-ins.
     `hosts`: the extraction nodes, on local connections, but for names ending in "-down": SSH to a
     closed port of this machine (they do not answer)."""
     if not shutil.which("java") and not os.environ.get("JAVA_HOME"):
@@ -99,9 +117,10 @@ def start_rulebook(tmp_path: Path, hosts: list[str], rulebook_vars: dict, *, slo
     shutil.copy(REPO / "extensions" / "eda" / "playbooks" / "selfheal_verify.yml", project / "extensions" / "eda" / "playbooks")
     recorder = RECORDER_SLOW if slow else RECORDER
     times = tmp_path / "times.txt"
-    (project / "recover.yml").write_text(recorder.format(what="recover", hosts="all", who="ansible_limit", record=record,
-                                                         times=times))
-    (project / "playbooks" / "takeover.yml").write_text(
+    remedies = installed / "ansible_collections" / "hsx" / "recovery" / "playbooks" if installed else project
+    (remedies / "recover.yml").write_text(recorder.format(what="recover", hosts="all", who="ansible_limit",
+                                                          record=record, times=times))
+    (remedies / ("takeover.yml" if installed else "playbooks/takeover.yml")).write_text(
         recorder.format(what="takeover", hosts="localhost", who="hsx_takeover_host", record=record, times=times))
     (project / "ansible.cfg").write_text(f"[defaults]\nroles_path = {REPO / 'roles'}\nlibrary = {REPO / 'library'}\n"
                                          f"module_utils = {REPO / 'module_utils'}\nfilter_plugins = {REPO / 'filter_plugins'}\n"
@@ -115,6 +134,9 @@ def start_rulebook(tmp_path: Path, hosts: list[str], rulebook_vars: dict, *, slo
     port = free_port()
     env = dict(os.environ, HSX_PROJECT_DIR=str(project), ANSIBLE_INVENTORY=str(tmp_path / "hosts.ini"),
                PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_LOCALHOST_WARNING="0")
+    if installed:
+        del env["HSX_PROJECT_DIR"]
+        env["ANSIBLE_COLLECTIONS_PATH"] = str(installed)
     (tmp_path / "vars.yml").write_text(json.dumps({"hsx_selfheal_port": port, "hsx_selfheal_settle": 0,
                                                    "hsx_selfheal_state_dir": str(tmp_path / "state"),
                                                    "hsx_selfheal_textfile_dir": str(tmp_path), **rulebook_vars}))
@@ -124,8 +146,9 @@ def start_rulebook(tmp_path: Path, hosts: list[str], rulebook_vars: dict, *, slo
         book = book.replace("once_within: 15 minutes", f"once_within: {window}")
     (tmp_path / "selfheal.yml").write_text(book)
     log = open(tmp_path / "rulebook.log", "wb")  # noqa: SIM115 - the process's, closed with it
-    proc = subprocess.Popen([str(BIN / "ansible-rulebook"), "-r", str(tmp_path / "selfheal.yml"), "-S", str(SOURCES),
-                             "-E", "HSX_PROJECT_DIR,ANSIBLE_INVENTORY", "--vars", str(tmp_path / "vars.yml")],
+    argv = (["-r", "hsx.recovery.selfheal", "-E", "ANSIBLE_INVENTORY"] if installed else
+            ["-r", str(tmp_path / "selfheal.yml"), "-S", str(SOURCES), "-E", "HSX_PROJECT_DIR,ANSIBLE_INVENTORY"])
+    proc = subprocess.Popen([str(BIN / "ansible-rulebook"), *argv, "--vars", str(tmp_path / "vars.yml")],
                             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.log_file = log  # type: ignore[attr-defined]
     deadline = time.monotonic() + 90
@@ -252,18 +275,31 @@ def test_breaker_a_storm_runs_nothing_until_a_person_resumes(tmp_path: Path) -> 
 
 
 def test_webhook_posts_need_the_token_and_beyond_loopback_one_is_required(tmp_path: Path) -> None:
+    """Also self-healing from the installed collection (issue #50 item 4): this rulebook is
+    hsx.recovery.selfheal from the built tarball, with no checkout and no ansible.cfg: its remedy wrapper
+    hsx.recovery.selfheal_remedy and verification hsx.recovery.selfheal_verify by FQCN, the recovery
+    hsx.recovery.recover (the stand-in, in its place), reports in the state directory."""
     token = tmp_path / "token"
     token.write_text("s3cret-token\n")
     token.chmod(0o600)
-    proc, record = start_rulebook(tmp_path, ["node-1", "node-2"], {"hsx_selfheal_token_file": str(token)})
+    installed = install_collection(tmp_path)
+    proc, record = start_rulebook(tmp_path, ["node-1", "node-2"], {"hsx_selfheal_token_file": str(token)},
+                                  installed=installed)
     try:
         port = proc.port  # type: ignore[attr-defined]
         assert post(port, alert("firing", "node-1", "recover")) == 401
         assert post(port, alert("firing", "node-1", "recover"), token="wrong") == 401
         assert post(port, alert("firing", "node-1", "recover"), token="s3cret-token") == 200
-        assert wait_lines(record, 1) == [f"recover node-1 True {tmp_path}/checkout/reports"]
+        assert wait_lines(record, 1) == [f"recover node-1 True {tmp_path}/state/reports"], \
+            (tmp_path / "rulebook.log").read_text()[-4000:]
+        deadline, state = time.monotonic() + 60, {}
+        while not state.get("outcomes") and time.monotonic() < deadline:  # recorded once the playbook returned
+            time.sleep(0.5)
+            state = json.loads((tmp_path / "state" / "ledger.json").read_text())
     finally:
         stop(proc)
+    assert state["requests"][0]["finding"].startswith("confirmed: node-1's job is not making progress"), state
+    assert [(o["outcome"], o["detail"]) for o in state["outcomes"]] == [("ok", "hsx.recovery.recover rc 0")], state
     # Listening beyond loopback without a token: the rulebook does not start its webhook.
     other = tmp_path / "other"
     other.mkdir()
@@ -308,3 +344,42 @@ def test_the_give_up_threshold_is_one_number_everywhere() -> None:
                  "playbooks/shared/selfheal_guard.yml"):
         found = set(re.findall(r"hsx_selfheal_max_failures \| default\((\d+)\)", (REPO / path).read_text()))
         assert found == {"3"}, (path, found)
+
+
+CONTROLLER = REPO / "extensions" / "eda" / "rulebooks" / "selfheal_controller.yml"
+
+
+def test_the_controller_variant_has_the_same_rules_and_launches_the_job_template() -> None:
+    """selfheal_controller.yml (for an EDA controller): ansible-rulebook's schema accepts it; its rules are
+    selfheal.yml's (names, conditions, throttles) with run_job_template for run_playbook, the alert's host
+    as the job's limit, the same variables but the checkout's and the inventory (the job template's own)."""
+    import yaml
+    from ansible_rulebook.validators import Validate
+
+    ours, controller = yaml.safe_load(RULEBOOK.read_text()), yaml.safe_load(CONTROLLER.read_text())
+    Validate.rulebook(controller)
+    assert list(controller[0]["sources"][0])[1] == "hsx.recovery.hsx_webhook"  # a collection's source, by FQCN
+    assert {k: v for k, v in controller[0]["sources"][0].items() if k != "hsx.recovery.hsx_webhook"} == \
+        {k: v for k, v in ours[0]["sources"][0].items() if k != "hsx_webhook"}
+    assert list(controller[0]["sources"][0].values())[1] == ours[0]["sources"][0]["hsx_webhook"]
+    assert len(controller[0]["rules"]) == len(ours[0]["rules"]) == 2
+    for mine, theirs in zip(ours[0]["rules"], controller[0]["rules"], strict=True):
+        assert {k: mine[k] for k in ("name", "condition", "throttle")} == \
+            {k: theirs[k] for k in ("name", "condition", "throttle")}
+        book, job = mine["action"]["run_playbook"], theirs["action"]["run_job_template"]
+        assert job["lock"] == book["lock"] and job["job_args"]["limit"] == "{{ event.labels.hsx_host }}"
+        want = {k: v for k, v in book["extra_vars"].items() if k not in ("hsx_project_dir", "hsx_selfheal_inventory")}
+        assert job["job_args"]["extra_vars"] == want
+
+
+def test_the_wrapper_refuses_a_controller_job_without_a_lasting_ledger(tmp_path: Path) -> None:
+    """In an automation controller's job (awx_job_id set) the wrapper runs nothing without
+    hsx_selfheal_state_dir: the job's home, where the ledger would go, is gone with its container."""
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_LOCALHOST_WARNING="0")
+    args = {"awx_job_id": 7, "hsx_selfheal_remedy": "recover", "hsx_selfheal_alert": "HsxSelfHealStalled"}
+    run = subprocess.run([str(BIN / "ansible-playbook"), "-i", "node-1,", "--limit", "node-1",
+                          str(REPO / "extensions/eda/playbooks/selfheal_remedy.yml"), "-e", json.dumps(args)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "hsx_selfheal_state_dir is empty in the automation controller's job 7" in run.stdout, \
+        run.stdout[-3000:]
+    assert "Brakes, verification" not in run.stdout
