@@ -33,7 +33,9 @@ CONTROL_PACKAGES = {"debootstrap": "debootstrap", "systemd-nspawn": "systemd-con
                     # The self-healing loop (tests/integration/test_self_healing.py): Alertmanager and
                     # the Java runtime ansible-rulebook's rule engine (drools_jpy) needs.
                     "prometheus-alertmanager": "prometheus-alertmanager", "amtool": "prometheus-alertmanager",
-                    "java": "openjdk-17-jre-headless"}
+                    "java": "openjdk-17-jre-headless",
+                    # examples/stage_data.yml's copy (tests/unit/test_stage_data.py).
+                    "rsync": "rsync"}
 # Installed without their recommends: prometheus would bring a node_exporter and its collectors'
 # timers to the control node, which runs only the test's own server.
 NO_RECOMMENDS = {"prometheus", "prometheus-alertmanager", "openjdk-17-jre-headless"}
