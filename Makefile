@@ -10,7 +10,7 @@ PYTHON := $(shell for p in python3.11 python3 /usr/bin/python3.11; do \
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup lab-ensure lint unit molecule integration test demo clean lab-down collection sanity sglang-cpu core-latest
+.PHONY: setup lab-ensure lint unit molecule integration test demo clean lab-down collection release sanity sglang-cpu core-latest
 
 setup: $(STAMP)
 
@@ -37,8 +37,15 @@ unit: setup
 collection: setup
 	$(BIN)/python tools/collection/build.py --tarball
 
+# The tarball for publishing, as `collection` builds it, refused unless pyproject.toml's version is
+# released (tools/collection/build.py --release) with no changelog fragment waiting, and its
+# [project.urls] names Repository, Documentation and Issues (the project has none yet: it says how).
+release: setup
+	$(BIN)/python tools/collection/build.py --publish
+
 # ansible-test sanity on the generated collection (a stage of `make test` too), its docs by
-# antsibull-docs lint-collection-docs and its roles and playbooks by ansible-lint.
+# antsibull-docs lint-collection-docs, and Galaxy's import of its tarball (galaxy-importer, with
+# ansible-lint on its roles and playbooks).
 sanity: setup
 	tools/collection/sanity.sh
 
@@ -47,21 +54,23 @@ sanity: setup
 core-latest: setup
 	HSX_CORE_LATEST_REQUIRED=1 tools/collection/core_latest.sh
 
-molecule: lab-ensure
+molecule: lab-ensure sglang-cpu
 	tests/molecule/run.sh
 
 integration: lab-ensure
 	$(BIN)/pytest tests/integration -q
 
-# lint + unit + molecule + integration; the lab is always torn down, also on failure.
-test: lab-ensure
+# lint + unit + molecule + integration; the lab is always torn down, also on failure. sglang-cpu: the
+# molecule scenario sglang_server runs the released SGLang from its venv (once per machine).
+test: lab-ensure sglang-cpu
 	tests/run_all.sh
 
 demo: lab-ensure
 	tests/demo.sh
 
 # The released SGLang 0.5.23 for its CPU path (tests/sglang_cpu), in a venv outside the checkout:
-# $HSX_SGLANG_CPU_VENV, else /var/cache/hsx/sglang-0.5.23-cpu; pinned, a cache hit costs nothing.
+# $HSX_SGLANG_CPU_VENV, else /var/cache/hsx/sglang-0.5.23-cpu; pinned, a cache hit costs nothing
+# (0.2 s), a miss about 6-11 min and 7.4 GB. Lab hosts see it read-only (tests/lab/lab.py up --venv).
 sglang-cpu:
 	@test -n "$(PYTHON)" || { echo "make: no working Python 3.11 found" >&2; exit 2; }
 	$(PYTHON) tests/sglang_cpu/install.py

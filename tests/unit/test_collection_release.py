@@ -1,7 +1,9 @@
 """The collection's release hygiene: the tarball `make collection` builds carries the changelog kept the
 antsibull-changelog way (changelogs/ in this checkout, CHANGELOG.md generated from it), galaxy metadata
 with authors and the project's URLs (from pyproject.toml's [project.urls], when it has any), and ONE
-version (pyproject.toml's) that the changelog, galaxy.yml, MANIFEST.json and the tarball's name agree on.
+version (pyproject.toml's) that galaxy.yml, MANIFEST.json and the tarball's name agree on, which is either
+the changelog's latest release with no fragments waiting or above it: never a released version shipped with
+other content.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.version import Version
+
+import extraction
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("hsx_collection_build", ROOT / "tools" / "collection" / "build.py")
@@ -54,10 +59,11 @@ def test_the_tarball_holds_the_changelog_the_galaxy_fields_and_one_version(tarba
     urls = build.galaxy_urls(PROJECT)
     for field in ("repository", "documentation", "homepage", "issues"):
         assert info[field] == urls.get(field), field  # None in MANIFEST.json: the project has no URL yet
-    assert build.latest_release(changes) == version
-    assert changes["releases"][version]["changes"]["release_summary"].strip()
+    latest = build.latest_release(changes)
+    assert latest == version or Version(version) > Version(latest)
+    assert changes["releases"][latest]["changes"]["release_summary"].strip()
     text = changelog_md.replace("\\", "")  # markdown escapes: "v0\\.1\\.0"
-    assert "# hsx.recovery Release Notes" in text and f"## v{version}\n" in text
+    assert "# hsx.recovery Release Notes" in text and f"## v{latest}\n" in text
 
 
 def test_galaxy_urls_come_from_the_projects_own_urls_only():
@@ -72,18 +78,43 @@ def test_galaxy_urls_come_from_the_projects_own_urls_only():
     assert build.galaxy_urls({}) == {}
 
 
-def test_the_source_changelog_releases_the_projects_version_and_leaves_fragments_for_what_comes():
+def test_the_checkout_never_ships_a_released_version_with_unreleased_fragments():
     changes = yaml.safe_load((ROOT / "changelogs" / "changelog.yaml").read_text())
-    assert build.latest_release(changes) == PROJECT["version"]
+    latest, version, waiting = build.latest_release(changes), PROJECT["version"], build.fragments(ROOT / "changelogs")
+    assert (version == latest and not waiting) or Version(version) > Version(latest), (version, latest, waiting)
+    build.check_versions(version, latest, waiting)  # the build's own rule agrees
+    assert extraction.__version__ == version  # `hsx --version` says the same
     config = yaml.safe_load((ROOT / "changelogs" / "config.yaml").read_text())
     assert config["notesdir"] == "fragments" and config["output"] == [{"file": "CHANGELOG.md", "format": "md"}]
     assert (ROOT / "changelogs" / "fragments").is_dir()
 
 
-def test_a_version_the_changelog_has_not_released_stops_the_build_saying_what_to_do(tmp_path, monkeypatch):
-    monkeypatch.setattr(build, "project_version", lambda: "9.9.9")
-    with pytest.raises(build.BuildError, match=r"changelogs/changelog\.yaml.*9\.9\.9.*--release"):
-        build.build(tmp_path)
+@pytest.mark.parametrize(("version", "latest", "waiting", "publish", "error"), [
+    ("0.2.0", "0.2.0", ["51-canary.yml"], False, r"0\.2\.0 is released .*\(51-canary\.yml.*next release"),
+    ("0.1.0", "0.2.0", [], False, r"0\.1\.0 is below .*latest release 0\.2\.0"),
+    ("0.3.0", None, [], False, r"no release; release 0\.3\.0"),
+    ("0.3.0", "0.2.0", ["x.yml"], True, r"0\.3\.0 is not released.*--release"),
+    ("0.3.0", "0.2.0", ["x.yml"], False, None),  # what comes next, unreleased: a development build
+    ("0.2.0", "0.2.0", [], True, None),
+    ("0.10.0", "0.9.0", [], False, None),  # versions, not strings
+])
+def test_a_build_never_ships_a_released_version_with_other_content(version, latest, waiting, publish, error):
+    if error is None:
+        build.check_versions(version, latest, waiting, publish)
+    else:
+        with pytest.raises(build.BuildError, match=error):
+            build.check_versions(version, latest, waiting, publish)
+
+
+def test_the_build_applies_the_version_rule_to_the_changelog_it_ships(tmp_path, monkeypatch):
+    changes = yaml.safe_load((ROOT / "changelogs" / "changelog.yaml").read_text())
+    monkeypatch.setattr(build, "project_version", lambda: build.latest_release(changes))
+    changelogs = tmp_path / "changelogs"
+    shutil.copytree(ROOT / "changelogs", changelogs)
+    (changelogs / "fragments" / "99-late.yml").write_text("bugfixes:\n  - shard_verify - a late change.\n")
+    monkeypatch.setattr(build, "CHANGELOGS", changelogs)
+    with pytest.raises(build.BuildError, match=r"is released .*99-late\.yml"):
+        build.build(tmp_path / "out")
 
 
 def test_latest_release_orders_versions_not_strings():

@@ -12,14 +12,13 @@ second copy in git. One source, two layouts:
     doc_fragments/*.py              ->   plugins/doc_fragments/*.py  verbatim (modules name them by FQCN)
     roles/**                        ->   roles/**                 links followed; filter names -> FQCN
     playbooks/**                    ->   playbooks/**             filter names -> FQCN
-    extensions/eda/**               ->   extensions/eda/**        the self-healing rulebooks and webhook source;
-                                                                  the rulebooks name our sources by FQCN
-    extensions/eda/playbooks/*.yml  ->   playbooks/*.yml          their remedy wrapper and verification, by FQCN
+    extensions/eda/**               ->   extensions/eda/**        the self-healing rulebook and its remedy wrapper
     LICENSE, tools/collection/{galaxy.yml.in,README.md,runtime.yml,config.yml} -> the collection's own
     tools/collection/{execution-environment.yml,requirements.txt.in}, bindep.txt -> meta/, requirements.txt,
         bindep.txt: what the control node needs, where ansible-builder reads it (no Python name an index
         would resolve: hsx comes from the project's own wheel, execution-environment/)
     changelogs/{config.yaml,changelog.yaml,fragments/} ->   changelogs/**  and CHANGELOG.md generated
+    roles/*/meta/argument_specs.yml ->   roles/*/README.md        generated (role_readme.py): Galaxy needs one
     (generated) tests/sanity/ignore-2.19.txt: the host-side python3 scripts' shebangs (sanity_ignores)
 
 Why the two rewrites, and nothing else:
@@ -48,7 +47,17 @@ user-visible change in changelogs/fragments/); antsibull-changelog needs a colle
 it runs in the generated one: `generate` writes its CHANGELOG.md at every build, and `--release`
 turns the fragments into pyproject.toml's version's release there and writes changelogs/changelog.yaml
 back here (the fragments it used are removed here, as antsibull-changelog does). The version lives in
-pyproject.toml only: a build whose changelog has not released that version stops (exit 2) and says so.
+pyproject.toml only. A build never ships a released version with other content: pyproject.toml's
+version is either the changelog's latest release with no fragments waiting, or above it (what comes
+next: bump the version with the first fragment after a release); anything else stops the build (exit 2,
+`check_versions` says what to do).
+
+galaxy.yml's repository/documentation/homepage/issues come from pyproject.toml's [project.urls] only.
+The project has no public URL yet: a plain build leaves them out; `--publish` (`make release`, the
+tarball for publishing) refuses without Repository, Documentation and Issues there (or with a reserved
+name such as *.invalid) and says how to add them; `--placeholder-urls` (Galaxy's import check in
+tools/collection/sanity.sh only) fills what is missing with PLACEHOLDER_URL, a reserved name that can
+never be mistaken for the project's.
 
 Exit status: 0 built, 2 a source does not have the shape the rewrite relies on, or the changelog does
 not release pyproject.toml's version (the message says which file and what to do), 1 antsibull-changelog
@@ -73,6 +82,9 @@ from packaging.version import InvalidVersion, Version
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import role_readme  # noqa: E402  (tools/collection/role_readme.py)
+
 NAMESPACE, NAME = "hsx", "recovery"
 FQCN = f"{NAMESPACE}.{NAME}"
 PROJECT_MU = "ansible.module_utils.hsx"
@@ -86,6 +98,10 @@ CHANGELOGS = ROOT / "changelogs"
 # compared as PyPI does: case, spaces, "-" and "_" ignored).
 GALAXY_URL_LABELS = {"repository": ("repository", "source", "sourcecode"), "documentation": ("documentation", "docs"),
                      "homepage": ("homepage",), "issues": ("issues", "bugtracker", "issuetracker", "bugs")}
+PUBLISH_URLS = {"repository": "Repository", "documentation": "Documentation", "issues": "Issues"}
+# A reserved name (RFC 6761 .invalid): Galaxy's import check needs a repository URL, the project has none.
+PLACEHOLDER_URL = "https://galaxy-import-check.invalid/hsx.recovery"
+RESERVED_HOST = re.compile(r"(^|\.)(invalid|example|test|localhost|example\.(com|net|org))$")
 
 
 class BuildError(Exception):
@@ -157,14 +173,6 @@ def rewrite_filters(text: str, names: list[str]) -> str:
     return pattern.sub(lambda m: f"{m.group(1)}{FQCN}.{m.group(2)}", text)
 
 
-def rewrite_sources(text: str, names: list[str]) -> str:
-    """A rulebook's `NAME:` keys of our event source plugins written `hsx.recovery.NAME:`: installed,
-    ansible-rulebook finds a collection's source by FQCN only (the checkout's rulebook takes it from
-    `-S extensions/eda/plugins/event_source` by its short name)."""
-    pattern = re.compile(r"^(\s*(?:-\s+)?)(" + "|".join(map(re.escape, names)) + r"):", re.M)
-    return pattern.sub(lambda m: f"{m.group(1)}{FQCN}.{m.group(2)}:", text)
-
-
 def _copy_tree(src: Path, dst: Path, names: list[str]) -> None:
     """src copied to dst, links followed (a role's file may link into extraction/), our filter
     names made FQCN in text files."""
@@ -197,9 +205,28 @@ def latest_release(changes: dict) -> str | None:
     return str(max(releases, key=Version)) if releases else None
 
 
-def _galaxy_yml(version: str) -> str:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extra = "".join(f"{field}: {json.dumps(url)}\n" for field, url in galaxy_urls(project).items())
+def publish_urls(project: dict) -> dict[str, str]:
+    """galaxy_urls(project) for a tarball to publish; BuildError naming the [project.urls] entries that
+    are missing or name a reserved host, and how to add them."""
+    from urllib.parse import urlsplit
+
+    urls = galaxy_urls(project)
+    missing = [label for field, label in PUBLISH_URLS.items() if field not in urls]
+    reserved = [f"{field} {url}" for field, url in urls.items() if RESERVED_HOST.search(urlsplit(url).hostname or "")]
+    if missing or reserved:
+        example = "".join(f'{label} = "https://<your host>/.../hsx{path}"\n' for label, path in
+                          (("Repository", ""), ("Documentation", "#readme"), ("Issues", "/issues")))
+        raise BuildError(
+            "a tarball for publishing needs the project's public URLs (Galaxy requires galaxy.yml's repository); "
+            f"pyproject.toml's [project.urls] {'lacks ' + ', '.join(missing) if missing else ''}"
+            f"{'; ' if missing and reserved else ''}{'names a reserved host: ' + ', '.join(reserved) if reserved else ''}. "
+            f"Add them there (galaxy.yml takes them from nowhere else), e.g.\n[project.urls]\n{example}"
+            "and run `make release` again")
+    return urls
+
+
+def _galaxy_yml(version: str, urls: dict[str, str]) -> str:
+    extra = "".join(f"{field}: {json.dumps(url)}\n" for field, url in urls.items())
     return _template("galaxy.yml.in", version) + extra
 
 
@@ -213,9 +240,34 @@ def _antsibull_changelog(coll: Path, *args: str) -> None:
                              f"changelogs/, this checkout's, and run again):\n{done.stdout}{done.stderr}")
 
 
-def _check_changelog(coll: Path, version: str) -> None:
-    """BuildError unless changelogs/changelog.yaml has released `version` (pyproject.toml's); also
-    when it is not a changelog (not YAML, not a mapping, a release that is no version)."""
+def fragments(changelogs: Path) -> list[str]:
+    """The unreleased fragments in `changelogs`/fragments (what antsibull-changelog reads: *.yml, *.yaml)."""
+    return sorted(p.name for p in (changelogs / "fragments").glob("*") if p.suffix in (".yml", ".yaml")
+                  and not p.name.startswith("."))
+
+
+def check_versions(version: str, latest: str | None, waiting: list[str], publish: bool = False) -> None:
+    """BuildError unless `version` (pyproject.toml's) may ship given the changelog's `latest` release and the
+    fragments `waiting` in changelogs/fragments: the latest release with none waiting, or (not for `publish`)
+    a version above it. Never a released version with other content, never one below the latest."""
+    where = "changelogs/changelog.yaml"
+    if latest is None:
+        raise BuildError(f"{where}: no release; release {version} (tools/collection/build.py --release)")
+    if Version(version) < Version(latest):
+        raise BuildError(f"pyproject.toml's version {version} is below {where}'s latest release {latest}: fix the version")
+    if version == latest and waiting:
+        raise BuildError(
+            f"{version} is released ({where}), but changelogs/fragments/ holds {len(waiting)} change(s) it does not "
+            f"have ({', '.join(waiting)}): a build would ship them as {version}. Set pyproject.toml's version "
+            "(and extraction/__init__.py's) to the next release, above it")
+    if publish and version != latest:
+        raise BuildError(f"{version} is not released ({where}'s latest is {latest}): release it first "
+                         "(tools/collection/build.py --release), then `make release`")
+
+
+def _check_changelog(coll: Path, version: str, publish: bool = False) -> None:
+    """check_versions for `version` (pyproject.toml's) against the collection's changelogs/; BuildError
+    also when changelog.yaml is not a changelog (not YAML, not a mapping, a release that is no version)."""
     try:
         changes = yaml.safe_load((coll / "changelogs" / "changelog.yaml").read_text())
         if not isinstance(changes, dict) or not isinstance(changes.get("releases") or {}, dict):
@@ -224,10 +276,7 @@ def _check_changelog(coll: Path, version: str) -> None:
     except (OSError, yaml.YAMLError, ValueError, InvalidVersion) as e:
         raise BuildError(f"changelogs/changelog.yaml: not a changelog antsibull-changelog keeps ({e}); "
                          "restore it from git (`git checkout changelogs/changelog.yaml`)") from None
-    if latest != version:
-        raise BuildError(
-            f"changelogs/changelog.yaml: the latest release is {latest}, but pyproject.toml's version is {version}; "
-            f"release it (tools/collection/build.py --release, after adding changelogs/fragments/) or fix the version")
+    check_versions(version, latest, fragments(coll / "changelogs"), publish)
 
 
 def release(out: Path) -> Path:
@@ -245,10 +294,16 @@ def release(out: Path) -> Path:
     return coll
 
 
-def build(out: Path, check_changelog: bool = True) -> Path:
+def build(out: Path, check_changelog: bool = True, publish: bool = False, placeholder_urls: bool = False) -> Path:
     """Generate the collection under `out` (replacing an earlier one); returns its directory.
-    BuildError when changelogs/ has not released pyproject.toml's version (unless `check_changelog`
-    is false: what `release` uses to make it so)."""
+    BuildError when pyproject.toml's version may not ship with changelogs/ as it is (check_versions; not
+    checked when `check_changelog` is false: what `release` uses to make it so), and for `publish` also
+    without the project's public URLs (publish_urls). `placeholder_urls`: galaxy.yml's missing URLs are
+    PLACEHOLDER_URL's (Galaxy's import check only)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    urls = publish_urls(project) if publish else galaxy_urls(project)  # before an earlier build is removed
+    if placeholder_urls and not publish:
+        urls = {field: f"{PLACEHOLDER_URL}/{field}" for field in PUBLISH_URLS} | urls
     coll = collection_dir(out)
     if coll.exists():
         shutil.rmtree(coll)
@@ -262,20 +317,14 @@ def build(out: Path, check_changelog: bool = True) -> Path:
     _copy_tree(ROOT / "filter_plugins", coll / "plugins" / "filter", names)  # the docs' examples name FQCNs
     shutil.copytree(ROOT / "doc_fragments", coll / "plugins" / "doc_fragments", ignore=SKIP)
     _copy_tree(ROOT / "roles", coll / "roles", names)
+    try:
+        role_readme.write_readmes(coll / "roles", FQCN)
+    except role_readme.RoleReadmeError as e:
+        raise BuildError(str(e)) from None
     _copy_tree(ROOT / "playbooks", coll / "playbooks", names)
-    _copy_tree(ROOT / "extensions", coll / "extensions", names)  # the self-healing rulebooks and event source
-    sources = sorted(path.stem for path in (ROOT / "extensions" / "eda" / "plugins" / "event_source").glob("*.py"))
-    for path in sorted((coll / "extensions" / "eda" / "rulebooks").glob("*.yml")):
-        path.write_text(rewrite_sources(path.read_text(), sources))
-    # Its playbooks where FQCNs find them (ansible-rulebook's run_playbook, ansible-playbook):
-    # hsx.recovery.selfheal_remedy and hsx.recovery.selfheal_verify.
-    for path in sorted((coll / "extensions" / "eda" / "playbooks").glob("*.yml")):
-        if (coll / "playbooks" / path.name).exists():
-            raise BuildError(f"extensions/eda/playbooks/{path.name}: playbooks/ has one of that name")
-        path.rename(coll / "playbooks" / path.name)
-    (coll / "extensions" / "eda" / "playbooks").rmdir()
+    _copy_tree(ROOT / "extensions", coll / "extensions", names)  # the self-healing rulebook and its remedy wrapper
     shutil.copy2(ROOT / "LICENSE", coll / "LICENSE")
-    (coll / "galaxy.yml").write_text(_galaxy_yml(version))
+    (coll / "galaxy.yml").write_text(_galaxy_yml(version, urls))
     (coll / "README.md").write_text(_template("README.md", version))
     (coll / "meta").mkdir()
     shutil.copy2(HERE / "runtime.yml", coll / "meta" / "runtime.yml")
@@ -289,7 +338,7 @@ def build(out: Path, check_changelog: bool = True) -> Path:
         (coll / "tests" / "sanity" / f"ignore-{ansible_core_series()}.txt").write_text("".join(ignores))
     shutil.copytree(CHANGELOGS, coll / "changelogs", ignore=SKIP)
     if check_changelog:
-        _check_changelog(coll, version)
+        _check_changelog(coll, version, publish)
         _antsibull_changelog(coll, "generate")
     return coll
 
@@ -325,9 +374,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tarball", action="store_true", help="also build OUT/dist/hsx-recovery-VERSION.tar.gz")
     parser.add_argument("--release", action="store_true",
                         help="release pyproject.toml's version from changelogs/fragments/ into changelogs/changelog.yaml")
+    urls = parser.add_mutually_exclusive_group()
+    urls.add_argument("--publish", action="store_true",
+                      help="the tarball for publishing (implies --tarball): refused unless the version is released "
+                           "and pyproject.toml's [project.urls] has Repository, Documentation and Issues")
+    urls.add_argument("--placeholder-urls", action="store_true",
+                      help=f"missing galaxy.yml URLs as {PLACEHOLDER_URL}/... (Galaxy's import check only)")
     args = parser.parse_args(argv)
+    args.tarball = args.tarball or args.publish
     try:
-        coll = release(args.out.resolve()) if args.release else build(args.out.resolve())
+        if args.release:
+            coll = release(args.out.resolve())
+        else:
+            coll = build(args.out.resolve(), publish=args.publish, placeholder_urls=args.placeholder_urls)
     except BuildError as e:
         print(f"collection: {e}", file=sys.stderr)
         return 2
