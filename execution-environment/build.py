@@ -159,8 +159,12 @@ def introspect(out: Path) -> dict:
     {"python": [...], "system": [...]}."""
     bin_dir = Path(sys.executable).parent
     with tempfile.TemporaryDirectory(prefix="hsx-ee-introspect-") as tmp:
-        subprocess.run([str(bin_dir / "ansible-galaxy"), "collection", "install", "--offline", "-p", tmp,
-                        str(out / "artifacts" / TARBALL)], check=True, capture_output=True, text=True)
+        # --force, and away from the checkout: its ansible.cfg's collections path holds an hsx.recovery
+        # (a link), which would make the install a no-op.
+        subprocess.run([str(bin_dir / "ansible-galaxy"), "collection", "install", "--offline", "--force", "-p", tmp,
+                        str(out / "artifacts" / TARBALL)], check=True, capture_output=True, text=True, cwd=tmp)
+        if not (Path(tmp) / "ansible_collections" / "hsx" / "recovery" / "MANIFEST.json").is_file():
+            raise EEError(f"ansible-galaxy did not install {out / 'artifacts' / TARBALL} into {tmp}")
         # Without the definition's exclusions: what the collection itself declares.
         done = subprocess.run([str(bin_dir / "ansible-builder"), "introspect", "--sanitize", tmp],
                               check=True, capture_output=True, text=True)
