@@ -232,7 +232,8 @@ def _galaxy_yml(version: str, urls: dict[str, str]) -> str:
 
 def _antsibull_changelog(coll: Path, *args: str) -> None:
     """antsibull-changelog ARGS run in the generated collection; ChangelogError with its output if it fails."""
-    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(coll.parents[2]))  # its plugin scan finds hsx.recovery
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(coll.parents[2]),  # its plugin scan finds hsx.recovery
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))  # its ansible-doc
     done = subprocess.run([sys.executable, "-m", "antsibull_changelog", *args], cwd=coll, env=env,
                           capture_output=True, text=True)
     if done.returncode:
