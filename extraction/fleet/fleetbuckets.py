@@ -29,6 +29,7 @@ Contract (`fleet_view(hosts, assignment)`):
 
 from __future__ import annotations
 
+import datetime
 from collections import Counter
 from typing import Any
 
@@ -278,7 +279,19 @@ def prometheus_text(view: dict[str, Any], hosts: list[Any] | None = None) -> str
             "(they count once its output is read; hsx takeover HOST --disk-lost redoes them).",
             "# TYPE hsx_fleet_parked_buckets gauge"]
     out += [f'hsx_fleet_parked_buckets{{host="{_label(h)}"}} {p["count"]}' for h, p in view.get("parked", {}).items()]
+    out += ["# HELP hsx_fleet_parked_since_timestamp_seconds When a host's buckets were parked (its park window runs "
+            "from here).", "# TYPE hsx_fleet_parked_since_timestamp_seconds gauge"]
+    out += [f'hsx_fleet_parked_since_timestamp_seconds{{host="{_label(h)}"}} {_epoch_s(p["since"])}'
+            for h, p in view.get("parked", {}).items() if _epoch_s(p["since"]) is not None]
     return "\n".join(out) + "\n"
+
+
+def _epoch_s(iso: Any) -> int | None:
+    """Seconds since the epoch of an ISO 8601 time (None when it is not one)."""
+    try:
+        return int(datetime.datetime.fromisoformat(str(iso)).timestamp())
+    except ValueError:
+        return None
 
 
 def _label(value: str) -> str:

@@ -51,6 +51,7 @@ def test_parked_buckets_of_a_host_that_does_not_answer_keep_the_fleet_incomplete
     assert fleet_status.exit_code(hosts, v) == 1
     prom = prometheus_text(v, hosts)
     assert 'hsx_fleet_parked_buckets{host="c"} 1' in prom
+    assert 'hsx_fleet_parked_since_timestamp_seconds{host="c"} 1796641200' in prom
     checked = promtool("check", "metrics", stdin=prom.encode())
     assert checked.returncode == 0 and not checked.stdout.strip() and not checked.stderr.strip(), checked
     assert "parked" in hosts[2].reason and "4" in hosts[2].reason
