@@ -278,8 +278,10 @@ def test_export_group_dir_that_is_a_link_is_refused(view, etc):
 
 # --- the storage probe in /data's root (roles/storage_guard) ---------------------------------
 def _probe_script() -> str:
+    """What the role's probe task runs: the write_probe module's hostfs.write_probe."""
     tasks = yaml.safe_load((REPO / "roles/storage_guard/tasks/probe.yml").read_text())
-    return tasks[0]["ansible.builtin.command"]["argv"][2]
+    assert "write_probe" in tasks[0], tasks[0]
+    return "from hsx.hostfs import write_probe\nsys.exit(write_probe(sys.argv[1]))\n"
 
 
 def test_storage_probe_writes_nothing_through_a_planted_link(tmp_path, etc):
