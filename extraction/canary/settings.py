@@ -1,8 +1,10 @@
 """The canary's defaults, in one place (stdlib only: `hsx --help` reads them without torch).
 
-DEFAULT_TOLERANCE bounds compare.relative_error (max |a-b| / max |a| per state) by the run's dtype.
-From measurement (docs/benchmarks.md, "Canary"; tests/bench/bench_canary_tolerance.py): the hf backend
-on this project's CPU gave bit-equal states for the same batch twice in both dtypes, and a sample alone
+DEFAULT_BATCH_TOLERANCE bounds a sample re-run in its original batch (0: bit-equal). DEFAULT_TOLERANCE
+bounds compare.relative_error (max |a-b| / max |a| per state) by the run's dtype for a sample re-run
+ALONE (no batch recorded: outputs written before OUTPUT/batches.jsonl, the sglang backend). From
+measurement (docs/benchmarks.md, "Canary"; tests/bench/bench_canary_tolerance.py): the hf backend on
+this project's CPU gave bit-equal states for the same batch twice in both dtypes, and a sample alone
 vs in its batch of 8 differed by at most 3.7e-7 in float32 and not at all in bfloat16; on an H100
 (../shared/DESIGN.md section 13) batch 8 vs 1 differed by up to 1.8e-2 in bfloat16. Every weight
 perturbed by 1% moved every state by 6.3e-2 or more. The bounds sit between: float32 1e-4 (270x the
