@@ -9,7 +9,8 @@ read (finished buckets, or unreachable). Contract:
   for); a taker is ok (its job's own check says how its restart went); a host that did not answer
   took nothing and is not ok (it needs a look).
 - `takeover_lines(reports)`: the summary's "## Takeover" section (what moved where, what the host
-  taken over kept, what became of its job), [] when no report carries a takeover.
+  taken over kept (parked: it did not answer, what it last reported finished), what became of its
+  job), [] when no report carries a takeover.
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ def takeover_check(facts: dict[str, Any]) -> tuple[bool, str] | None:
     if not plan or plan.get("failed"):
         return False, f"no plan: {plan.get('msg') or 'the plan was not made'}"
     if host == t.get("host"):
-        keeps = f"keeps {owns} (finished on its own disk)" if owns else "keeps no bucket"
+        parked = (plan.get("parked") or {}).get(host) if isinstance(plan.get("parked"), dict) else None
+        keeps = (f"keeps {owns} parked (it did not answer: what it last reported finished; redone only with "
+                 f"hsx takeover {host} --disk-lost or after the park window)" if parked else
+                 f"keeps {owns} (finished on its own disk)" if owns else "keeps no bucket")
         return True, f"taken over; {keeps}; {_job_of_taken(facts, t)}"
     if host in moved:
         return True, f"takes {moved[host]} (owns {owns} now); its job resumes with them"
@@ -70,6 +74,8 @@ def takeover_lines(reports: list[dict[str, Any]]) -> list[str]:
         return ["", "## Takeover", "", f"{host}: nothing moved, no plan was made: {plan.get('msg') or '?'}"]
     moved, epoch = plan.get("moved") or {}, plan.get("epoch")
     kept = (plan.get("assignment") or {}).get(host) or "nothing"
+    if (plan.get("parked") or {}).get(host):
+        kept += " parked (it did not answer: what it last reported finished)"
     if moved:
         verb = "Would move" if reports[0].get("mode") == "check" else "Moved"
         text = (f"{verb} {host}'s unfinished buckets: "
