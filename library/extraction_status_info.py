@@ -57,6 +57,11 @@ options:
         Costs a hash of every indexed id.
     type: bool
     default: false
+seealso:
+  - module: hsx.recovery.shard_verify
+    description: Verifies the shards whose progress this module counts, and quarantines bad ones.
+  - module: hsx.recovery.hsx_assignment
+    description: The fleet's split into buckets, which takeover and rebalance move by what this module reads.
 extends_documentation_fragment:
   - hsx.recovery.attributes
 attributes:

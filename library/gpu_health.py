@@ -105,6 +105,11 @@ options:
     dcgmi_path:
         description: The C(dcgmi) to run; unset, C(dcgmi) on the PATH.
         type: path
+seealso:
+  - module: hsx.recovery.gpu_processes
+    description: Lists and ends the processes holding the GPUs, before this gate judges them.
+  - module: hsx.recovery.service_health
+    description: Waits for the SGLang server to answer once the GPUs are judged fit.
 extends_documentation_fragment:
   - hsx.recovery.attributes
 attributes:

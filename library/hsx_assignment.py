@@ -116,6 +116,11 @@ options:
               saying so.
         type: bool
         default: true
+seealso:
+  - module: hsx.recovery.extraction_status_info
+    description: Reads which buckets a host has finished or started, for a takeover or a rebalance.
+  - module: ansible.builtin.copy
+    description: Writes a file too, but without a lock or the assignment's checks.
 extends_documentation_fragment:
     - hsx.recovery.attributes
 attributes:

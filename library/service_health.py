@@ -59,6 +59,13 @@ options:
         means the server crash-loops and the task fails.
     type: int
     default: 1
+seealso:
+  - module: ansible.builtin.uri
+    description: Polls a URL, without watching the unit that serves it.
+  - module: ansible.builtin.wait_for
+    description: Waits for a port to open, without asking the server whether it is healthy.
+  - module: ansible.builtin.systemd_service
+    description: Starts the unit whose health this module waits for.
 extends_documentation_fragment:
   - hsx.recovery.attributes
 attributes:

@@ -36,6 +36,11 @@ requirements:
   - python >= 3.10 on the managed host
   - systemd (C(systemctl)) on the managed host
 options: {}
+seealso:
+  - module: ansible.builtin.service_facts
+    description: The same facts for every service manager, reading SysV init scripts and each unloaded unit too (slower on a systemd host).
+  - module: community.general.systemd_info
+    description: Chosen properties of chosen systemd units, in its own result rather than as facts.
 extends_documentation_fragment:
   - hsx.recovery.attributes
 attributes:
@@ -44,6 +49,10 @@ attributes:
     details: Reads only; runs the same in check mode.
   diff_mode:
     support: none
+  facts:
+    description: Action returns an C(ansible_facts) dictionary that will update existing host facts.
+    support: full
+    details: Sets C(ansible_facts.services), as M(ansible.builtin.service_facts) does.
 """
 
 EXAMPLES = r"""

@@ -16,7 +16,7 @@ description:
     package runs none of its code; the version comes from its dist-info).
   - Says whether the release is one the dump patch was tested against (the supported releases are
     listed once, in the collection's C(sglang_versions) module_utils) and the oldest supported release.
-  - With O(version) nothing is asked: that version is judged as if found.
+  - With O(version) nothing is asked - that version is judged as if found.
   - Never fails for a missing install or an interpreter that cannot be run - RV(found) is false and
     RV(error) says why, for the role to say what to set; never changes anything.
 version_added: "0.2.0"

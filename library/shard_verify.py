@@ -60,6 +60,11 @@ options:
               the counts are always complete.
         type: int
         default: 50
+seealso:
+  - module: hsx.recovery.extraction_status_info
+    description: Reports the extraction's progress, counting the shards this module verifies.
+  - module: hsx.recovery.own_tree
+    description: Gives the output, shards and quarantine included, to the job's account.
 extends_documentation_fragment:
   - hsx.recovery.attributes
 attributes:
