@@ -17,11 +17,10 @@ Part of the stdlib-only core: shipped to Ansible hosts as ansible.module_utils.h
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import stat
 
+from .modelconfig import MAX_CONFIG_BYTES, read_json  # noqa: F401 (MAX_CONFIG_BYTES: kept importable here)
 from .sglang_patch import DEFAULT_TARGET, PATCH_FILES, TARGETS
 
 SUPPORTED_VERSIONS: tuple[str, ...] = (
@@ -91,8 +90,6 @@ TARGET_REFUSED_FROM: dict[str, tuple[str, str]] = {
     ),
 }
 
-MAX_CONFIG_BYTES = 1 << 20  # a model's config.json is a few KiB; more is not one
-
 
 class TargetError(ValueError):
     """The target cannot be decided: an unknown name or architecture, or an unreadable config.json."""
@@ -131,26 +128,14 @@ def target_for(architectures: list[str]) -> str:
 
 def read_architectures(model_dir: str) -> list[str]:
     """config.json's `architectures` of the model in `model_dir` (a link to it is followed: a hub
-    snapshot's files are links), read as data: a regular file of at most MAX_CONFIG_BYTES, a JSON
-    object whose `architectures` is a non-empty list of strings; TargetError naming the file."""
+    snapshot's files are links), read as data (modelconfig.read_json: a regular file of at most
+    MAX_CONFIG_BYTES, JSON): a JSON object whose `architectures` is a non-empty list of strings;
+    TargetError naming the file."""
     path = os.path.join(model_dir, "config.json")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise TargetError(f"{path}: cannot read the model's config: {exc.strerror}") from None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise TargetError(f"{path}: not a regular file")
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise TargetError(f"{path}: cannot read the model's config: {exc.strerror}") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise TargetError(f"{path}: over {MAX_CONFIG_BYTES} bytes, not a model config")
-    try:
-        config = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise TargetError(f"{path}: not JSON ({exc})") from None
+        config = read_json(model_dir)
+    except ValueError as exc:
+        raise TargetError(str(exc)) from None
     archs = config.get("architectures") if isinstance(config, dict) else None
     if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         raise TargetError(f"{path}: no `architectures` list of names (found {archs!r:.80})")
