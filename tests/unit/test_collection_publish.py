@@ -56,7 +56,8 @@ def test_every_role_ships_a_readme_generated_from_its_argument_specs(placeholder
             assert f"## Entry point `{entry_point}`" in text, (role, entry_point)
             for option in spec.get("options") or {}:
                 assert f"| `{option}` |" in text, (role, entry_point, option)
-    assert not list((ROOT / "roles").glob("*/README.md"))  # generated, never a second copy in git
+    kept = list((ROOT / "roles").glob("*/README.md"))
+    assert not kept, f"{kept}: a role's README is generated from its argument_specs.yml; edit that instead"
 
 
 def test_markup_becomes_markdown_and_suboptions_are_rows(tmp_path):

@@ -16,14 +16,24 @@
 #
 # Then the checks ansible-test does not make, on the same generated collection: its documentation
 # (modules, filters, roles' argument specs) by `antsibull-docs lint-collection-docs --plugin-docs`
-# (the docs site's own linter), and its roles and playbooks by ansible-lint's production profile,
-# as they are installed (the collection layout, our filters by FQCN). The changelog is linted by
+# (the docs site's own linter), and Galaxy's import of its tarball (tools/collection/galaxy_import.py:
+# galaxy-importer, locally, its ansible-test step off): metadata, role READMEs, docs, and ansible-lint's
+# production profile on the roles and playbooks as they are installed (the collection layout, our
+# filters by FQCN) - the collection's one ansible-lint pass (`make lint` lints the same sources in the
+# project, with the yaml and var-naming rules Galaxy leaves out). The changelog is linted by
 # ansible-test's own `changelog` test (changelogs/config.yaml is there).
+#
+# galaxy.yml's URLs: the project has none yet (pyproject.toml [project.urls]; `make release` refuses
+# without them), and Galaxy requires a repository; this check's build fills the missing ones with
+# build.py's PLACEHOLDER_URL (https://galaxy-import-check.invalid/..., a reserved name), never a real one.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=$PWD/.venv/bin
 out=${HSX_COLLECTION_OUT:-$PWD/.cache/collection}
-coll=$("$BIN/python" tools/collection/build.py --out "$out")
+coll=$("$BIN/python" tools/collection/build.py --out "$out" --placeholder-urls)
+import_dir=$(mktemp -d)
+trap 'rm -rf "$import_dir"' EXIT
+"$BIN/ansible-galaxy" collection build --output-path "$import_dir" "$coll" >/dev/null
 
 pip_version=$("$BIN/python" -c 'import types
 from ansible_test._internal.python_requirements import get_venv_packages
@@ -43,26 +53,15 @@ git -C "$coll" init -q
 cd "$coll"
 rc=0
 PATH=$BIN:$PATH ANSIBLE_COLLECTIONS_PATH=$out "$BIN/antsibull-docs" lint-collection-docs --plugin-docs . || rc=1
-# Two differences from `make lint`, each for a stated reason: playbooks/tasks/ call our modules by
-# short name, which resolves when the playbook runs by FQCN (ansible-playbook makes a collection
-# playbook's collection the default) but not in syntax-check of that file alone (`make lint` checks
-# it where it resolves); and galaxy.yml has no repository while pyproject.toml has no
-# [project.urls] (the project has no public URL yet: none is invented).
-lint_skip=()
-grep -q '^repository:' galaxy.yml || lint_skip=(--skip-list 'galaxy[no-repository]')
-# ansible-lint installs the collection it lints into $HOME/.ansible/collections: give it a HOME of
-# its own, removed after, so the user's (and the next test's) collections path is left as it was
-# (an hsx.recovery left there made test_collection's `ansible-galaxy collection install` a no-op).
-lint_home=$(mktemp -d)
-# ansible-lint's syntax-check does not resolve our modules' short names in a collection role's tasks
-# that a playbook imports statically (playbooks/takeover.yml; ansible-playbook --syntax-check does):
-# they are named as its mock modules. Their arguments are linted where they resolve: `make lint`
-# in the project, with library/.
-{ echo "mock_modules:"; for m in "${BIN%/.venv/bin}"/library/*.py; do m=${m##*/}; echo "  - ${m%.py}"; done; } \
-    >"$lint_home/ansible-lint.yml"
-HOME=$lint_home PATH=$BIN:$PATH ANSIBLE_COLLECTIONS_PATH=$out "$BIN/ansible-lint" --profile production -q --nocolor \
-    -c "$lint_home/ansible-lint.yml" --exclude playbooks/tasks "${lint_skip[@]}" . || rc=1
-rm -rf "$lint_home"
+# ansible-lint (run by galaxy-importer) installs the collection it lints into $HOME/.ansible/collections:
+# it gets a HOME of its own, removed after, so the user's (and the next test's) collections path is left
+# as it was (an hsx.recovery left there made test_collection's `ansible-galaxy collection install` a no-op).
+# A full run only: `sanity.sh --test NAME` runs that ansible-test test alone.
+if [ $# -eq 0 ]; then
+    mkdir "$import_dir/home"
+    (cd "$import_dir" && HOME=$import_dir/home PATH=$BIN:$PATH "$BIN/python" "${BIN%/.venv/bin}/tools/collection/galaxy_import.py" \
+        "$import_dir"/hsx-recovery-*.tar.gz) || rc=1
+fi
 PATH=$BIN:$PATH "$BIN/ansible-test" sanity --local --python 3.11 --color no "$@" || rc=1
 # The execution environment (execution-environment/): the collection's tarball and the hsx-control wheel
 # built from this checkout, `ansible-builder create` of its definition, and ansible-builder's introspection
