@@ -260,7 +260,8 @@ def check_versions(version: str, latest: str | None, waiting: list[str], publish
         raise BuildError(
             f"{version} is released ({where}), but changelogs/fragments/ holds {len(waiting)} change(s) it does not "
             f"have ({', '.join(waiting)}): a build would ship them as {version}. Set pyproject.toml's version "
-            "(and extraction/__init__.py's) to the next release, above it")
+            f"(and extraction/__init__.py's) to the next release, above it; or, while {version} is not published, "
+            "fold them into it (tools/collection/build.py --release again)")
     if publish and version != latest:
         raise BuildError(f"{version} is not released ({where}'s latest is {latest}): release it first "
                          "(tools/collection/build.py --release), then `make release`")
