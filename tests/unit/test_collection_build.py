@@ -103,8 +103,19 @@ def test_every_module_role_and_playbook_of_the_project_is_in_the_collection(coll
     assert sorted(p.name for p in (coll / "plugins" / "modules").glob("*.py")) == MODULES
     roles = sorted(p.name for p in (ROOT / "roles").iterdir() if p.is_dir())
     assert roles and sorted(p.name for p in (coll / "roles").iterdir()) == roles
+    # ... and self-healing's playbooks, where FQCNs find them (hsx.recovery.selfheal_remedy, _verify).
+    eda = ROOT / "extensions" / "eda" / "playbooks"
     assert sorted(p.name for p in (coll / "playbooks").glob("*.yml")) == sorted(
-        p.name for p in (ROOT / "playbooks").glob("*.yml"))
+        p.name for p in [*(ROOT / "playbooks").glob("*.yml"), *eda.glob("*.yml")])
+    for path in eda.glob("*.yml"):
+        assert (coll / "playbooks" / path.name).read_text() == build.rewrite_filters(path.read_text(), build.filter_names())
+    assert not (coll / "extensions" / "eda" / "playbooks").exists()  # one copy
+    sources = [p.stem for p in (ROOT / "extensions" / "eda" / "plugins" / "event_source").glob("*.py")]
+    assert sources and (coll / "extensions" / "eda" / "plugins" / "event_source" / f"{sources[0]}.py").is_file()
+    for path in (coll / "extensions" / "eda" / "rulebooks").glob("*.yml"):  # installed, a source is found by FQCN
+        book = yaml.safe_load(path.read_text())
+        names = {name for src in book[0]["sources"] for name in src if name not in ("name", "filters")}
+        assert names == {f"{build.FQCN}.{s}" for s in sources}, (path.name, names)
     links = [p for p in coll.rglob("*") if p.is_symlink()]
     assert links == []  # a role's file linking into extraction/ is copied as the file
     assert (coll / "plugins" / "filter" / "hsx_filters.py").is_file()
