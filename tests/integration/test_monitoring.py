@@ -190,3 +190,46 @@ def test_the_jobs_roles_alone_let_its_account_write_an_old_nodes_textfile_dir(pr
     assert lab_ssh(HOST, writable).returncode == 0
     again = playbook("tests/plays/deploy_and_run.yml", *FAST)
     assert again.rc == 0 and again.recap()[HOST]["changed"] == 0, again.output[-3000:]
+
+
+def test_prometheus_prometheus_node_exporter_is_checked_and_told_never_skipped(prom) -> None:
+    """The other layout (issue #50 item 6): node_exporter as the prometheus.prometheus collection's
+    node_exporter role installs it (its unit node_exporter.service, flags in the unit; a stand-in unit,
+    tests/plays/files/prometheus-prometheus-node_exporter.service, with Debian's binary as the role's
+    local binary), in place of Debian's. roles/monitoring reads the unit's textfile directory: where it
+    is not the job's, the run stops before changing anything and names the variable to set in that
+    role; where it is, the run points nothing, gives the directory to the job's group, and the hsx
+    files there are scraped; a second run changes nothing. Debian's ARGS are never touched."""
+    p, instance = prom
+    unit = (REPO / "tests" / "plays" / "files" / "prometheus-prometheus-node_exporter.service").read_text()
+    args_before = lab_ssh(HOST, "grep ^ARGS= /etc/default/prometheus-node-exporter").stdout
+    installed = lab_ssh(HOST, "set -e; id node-exp >/dev/null 2>&1 || useradd --system --no-create-home "
+                              "--shell /usr/sbin/nologin node-exp; install -d -o node-exp -g node-exp -m 0775 "
+                              "/var/lib/node_exporter; install -m 0755 /usr/bin/prometheus-node-exporter "
+                              "/usr/local/bin/node_exporter; cat > /etc/systemd/system/node_exporter.service <<'EOF'\n"
+                              f"{unit}EOF\nsystemctl stop prometheus-node-exporter; systemctl daemon-reload; "
+                              "systemctl start node_exporter")
+    assert installed.returncode == 0, installed.stderr
+    try:
+        wait_for(lambda: p.value(f'up{{instance="{instance}"}}') == 1 and lab_ssh(
+            HOST, "systemctl is-active node_exporter").stdout.strip() == "active", 60, "node_exporter.service to serve")
+        told = playbook("tests/plays/monitoring.yml")
+        assert told.rc != 0 and told.recap()[HOST]["changed"] == 0, told.output[-3000:]
+        said = " ".join(told.output.split())
+        assert ("reads textfiles from /var/lib/node_exporter, but the job and the recovery write theirs to "
+                "/var/lib/prometheus/node-exporter") in said, said[-3000:]
+        assert "set node_exporter_textfile_dir: /var/lib/prometheus/node-exporter" in said
+        assert "set hsx_metrics_textfile_dir: /var/lib/node_exporter" in said and "Nothing was changed" in said
+        followed = ["-e", "hsx_metrics_textfile_dir=/var/lib/node_exporter"]
+        first = playbook("tests/plays/monitoring.yml", *followed)
+        assert first.rc == 0, first.output[-3000:]
+        assert lab_ssh(HOST, "stat -c %G:%a /var/lib/node_exporter").stdout.strip() == "hsx:775"
+        lab_ssh(HOST, "cp /var/lib/prometheus/node-exporter/hsx-*.prom /var/lib/node_exporter/")
+        files = f'node_textfile_mtime_seconds{{instance="{instance}",file=~"/var/lib/node_exporter/hsx-.*"}}'
+        wait_for(lambda: p.value(files) is not None, 60, "node_exporter.service to serve the hsx textfiles")
+        again = playbook("tests/plays/monitoring.yml", *followed)
+        assert again.rc == 0 and again.recap()[HOST]["changed"] == 0, again.output[-3000:]
+        assert lab_ssh(HOST, "grep ^ARGS= /etc/default/prometheus-node-exporter").stdout == args_before
+    finally:
+        lab_ssh(HOST, "systemctl stop node_exporter; rm -f /etc/systemd/system/node_exporter.service "
+                      "/usr/local/bin/node_exporter; systemctl daemon-reload; systemctl start prometheus-node-exporter")
