@@ -12,7 +12,9 @@ second copy in git. One source, two layouts:
     doc_fragments/*.py              ->   plugins/doc_fragments/*.py  verbatim (modules name them by FQCN)
     roles/**                        ->   roles/**                 links followed; filter names -> FQCN
     playbooks/**                    ->   playbooks/**             filter names -> FQCN
-    extensions/eda/**               ->   extensions/eda/**        the self-healing rulebook and its remedy wrapper
+    extensions/eda/**               ->   extensions/eda/**        the self-healing rulebooks and webhook source;
+                                                                  the rulebooks name our sources by FQCN
+    extensions/eda/playbooks/*.yml  ->   playbooks/*.yml          their remedy wrapper and verification, by FQCN
     LICENSE, tools/collection/{galaxy.yml.in,README.md,runtime.yml,config.yml} -> the collection's own
     tools/collection/{execution-environment.yml,requirements.txt.in}, bindep.txt -> meta/, requirements.txt,
         bindep.txt: what the control node needs, where ansible-builder reads it (no Python name an index
@@ -173,6 +175,14 @@ def rewrite_filters(text: str, names: list[str]) -> str:
     return pattern.sub(lambda m: f"{m.group(1)}{FQCN}.{m.group(2)}", text)
 
 
+def rewrite_sources(text: str, names: list[str]) -> str:
+    """A rulebook's `NAME:` keys of our event source plugins written `hsx.recovery.NAME:`: installed,
+    ansible-rulebook finds a collection's source by FQCN only (the checkout's rulebook takes it from
+    `-S extensions/eda/plugins/event_source` by its short name)."""
+    pattern = re.compile(r"^(\s*(?:-\s+)?)(" + "|".join(map(re.escape, names)) + r"):", re.M)
+    return pattern.sub(lambda m: f"{m.group(1)}{FQCN}.{m.group(2)}:", text)
+
+
 def _copy_tree(src: Path, dst: Path, names: list[str]) -> None:
     """src copied to dst, links followed (a role's file may link into extraction/), our filter
     names made FQCN in text files."""
@@ -324,7 +334,17 @@ def build(out: Path, check_changelog: bool = True, publish: bool = False, placeh
     except role_readme.RoleReadmeError as e:
         raise BuildError(str(e)) from None
     _copy_tree(ROOT / "playbooks", coll / "playbooks", names)
-    _copy_tree(ROOT / "extensions", coll / "extensions", names)  # the self-healing rulebook and its remedy wrapper
+    _copy_tree(ROOT / "extensions", coll / "extensions", names)  # the self-healing rulebooks and event source
+    sources = sorted(path.stem for path in (ROOT / "extensions" / "eda" / "plugins" / "event_source").glob("*.py"))
+    for path in sorted((coll / "extensions" / "eda" / "rulebooks").glob("*.yml")):
+        path.write_text(rewrite_sources(path.read_text(), sources))
+    # Its playbooks where FQCNs find them (ansible-rulebook's run_playbook, ansible-playbook):
+    # hsx.recovery.selfheal_remedy and hsx.recovery.selfheal_verify.
+    for path in sorted((coll / "extensions" / "eda" / "playbooks").glob("*.yml")):
+        if (coll / "playbooks" / path.name).exists():
+            raise BuildError(f"extensions/eda/playbooks/{path.name}: playbooks/ has one of that name")
+        path.rename(coll / "playbooks" / path.name)
+    (coll / "extensions" / "eda" / "playbooks").rmdir()
     shutil.copy2(ROOT / "LICENSE", coll / "LICENSE")
     (coll / "galaxy.yml").write_text(_galaxy_yml(version, urls))
     (coll / "README.md").write_text(_template("README.md", version))
