@@ -27,7 +27,8 @@ Contract:
 - `FileBytes(dtype, shape, spans, error, check)`: the C-contiguous tensor of `shape` x `dtype` whose
   bytes are the spans' bytes in order; each span (OpenFile, offset, length). The OpenFiles own
   their descriptors (closed when the last FileBytes or holder of them goes).
-- `copy_to(out_fd, crc32, crc)`: write the bytes to `out_fd` at its position, return the running
+- `copy_to(out, crc32, crc)`: write the bytes to `out` (a descriptor, at its position, or a
+  DirectSink: extraction/shards/direct.py, read straight into its buffer), return the running
   CRC32 of them started from `crc`; `error(message)` raised when a file ends early (nothing is
   retried; the message names the file, where it ended and its size when opened), OSError from the
   writes as they come; with `check`, NonFiniteBytes at the first chunk holding a NaN/Inf (the
@@ -49,7 +50,9 @@ from dataclasses import dataclass, replace
 import numpy
 import torch
 
-CHUNK = 1 << 20  # the copy's buffer: small enough to stay in the core's cache between read and write
+from extraction.shards.direct import CHUNK_ROOM, DirectSink
+
+CHUNK = CHUNK_ROOM  # the copy's reads (1 MiB): small enough to stay in the core's cache for the CRC
 _tls = threading.local()  # one buffer (and the check's scratch) per writer thread
 # A float is NaN/Inf when its exponent bits are all ones: (integer view, exponent mask) a dtype.
 EXPONENT_MASKS: dict[torch.dtype, tuple[type, int]] = {
@@ -107,21 +110,28 @@ class FileBytes:
         """The same bytes as a tensor of `shape` (same number of elements)."""
         return replace(self, shape=tuple(shape))
 
-    def copy_to(self, out_fd: int, crc32: Callable[..., int], crc: int = 0) -> int:
-        """Write the bytes to `out_fd`; their CRC32 continued from `crc` (see the contract)."""
+    def copy_to(self, out: int | DirectSink, crc32: Callable[..., int], crc: int = 0) -> int:
+        """Write the bytes to `out` (a descriptor, at its position, or a DirectSink: read straight
+        into its staging buffer); their CRC32 continued from `crc` (see the contract)."""
+        sink = out if isinstance(out, DirectSink) else None
         buf = getattr(_tls, "buf", None)
-        if buf is None:
+        if buf is None and sink is None:
             buf = _tls.buf = memoryview(bytearray(CHUNK))
         for src, at, n in self.spans:
             done = 0
             while done < n:
-                got = self._fill(src, buf[: min(CHUNK, n - done)], at + done, "copied")
-                crc = crc32(buf[:got], crc)
+                want = min(CHUNK, n - done)
+                region = sink.room(want) if sink is not None else buf[:want]
+                got = self._fill(src, region, at + done, "copied")
+                crc = crc32(region, crc)
                 if self.check:
-                    self._check(buf[:got], src, at + done)
-                put = 0
-                while put < got:
-                    put += os.write(out_fd, buf[put:got])
+                    self._check(region, src, at + done)
+                if sink is not None:
+                    sink.advance(got)
+                else:
+                    put = 0
+                    while put < got:
+                        put += os.write(out, region[put:got])
                 done += got
         return crc
 

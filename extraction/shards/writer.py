@@ -7,7 +7,8 @@ laid out directly by `torchzip` (checked byte for byte against this host's torch
 tensors go to one writev from where they lie, the GIL released - or, a state left in the server's
 dump files (extraction/shards/filebytes.py), copied from them through a small buffer while its
 CRC32 is taken and, where it says so (`check`), its values are checked for NaN/Inf: a
-ShardDataError for that sample, the temp removed) or, where that check fails, by torch.save itself. The index's checksum is the CRC32 of the whole file (the same bytes `full`
+ShardDataError for that sample, the temp removed; such a shard goes to the disk with O_DIRECT,
+extraction/shards/direct.py) or, where that check fails, by torch.save itself. The index's checksum is the CRC32 of the whole file (the same bytes `full`
 verification checksums). A crash at any point leaves either no final file, or a complete fsynced
 one that the index may not list yet (the verifier reports it as unindexed). Temp names start with
 '.' and end in '.tmp', so nothing that looks for `.pt` files ever sees one.
@@ -31,6 +32,7 @@ import torch
 
 import hsx.fsutil
 from extraction.shards import torchzip
+from extraction.shards.direct import DirectSink
 from extraction.shards.filebytes import FileBytes, NonFiniteBytes, in_memory
 from hsx.fsutil import LinkRefused, open_dir_nofollow, open_subdir, unlink_quiet
 from hsx.index import (
@@ -167,6 +169,9 @@ def _on_cpu(t: torch.Tensor | FileBytes, dtype: torch.dtype) -> torch.Tensor | F
     return t.detach().to(device="cpu", dtype=dtype).contiguous()
 
 
+# A shard whose states come from files (the sglang client) is written with O_DIRECT from an aligned
+# buffer: its bytes skip the page cache (extraction/shards/direct.py says why). False: buffered.
+DIRECT_IO = True
 _STREAM_RECORD_MAX = (1 << 32) - (1 << 24)  # a FileBytes this large or larger goes through memory
 
 
@@ -194,27 +199,36 @@ def _write_pieces(f: Any, pieces: list[Any], wrapper: _WriteErrorFile, real_file
 
 
 def _write_steps(f: Any, layout: torchzip.TorchZipLayout, payload: dict[str, Any]) -> tuple[int, int]:
-    """Write torch.save(payload)'s file as the layout's steps give it (a payload with FileBytes):
-    runs of pieces by writev, each FileBytes copied from its files while its CRC32 is taken (the
-    records after it need it); (size, CRC32 of the file)."""
+    """Write torch.save(payload)'s file as the layout's steps give it (a payload with FileBytes),
+    each FileBytes copied from its files while its CRC32 is taken (the records after it need it):
+    through a DirectSink (O_DIRECT from an aligned buffer: extraction/shards/direct.py) where
+    DIRECT_IO is on, else runs of pieces by writev; (size, CRC32 of the file)."""
     fd, run, crc = f.fileno(), [], None
+    sink = DirectSink(fd) if DIRECT_IO else None
     steps = layout.steps(payload)
     try:
         while True:
             piece = steps.send(crc)
             if isinstance(piece, FileBytes):
-                writev_all(fd, run, f.name)
-                run = []
+                if sink is None:
+                    writev_all(fd, run, f.name)
+                    run = []
                 try:
-                    crc = piece.copy_to(fd, layout.crc32)
+                    crc = piece.copy_to(fd if sink is None else sink, layout.crc32)
                 except NonFiniteBytes as e:  # the key, for write()'s message
                     e.key = next((k for k, v in payload.items() if v is piece), None)
                     raise
             else:
-                run.append(memoryview(piece))
+                if sink is None:
+                    run.append(memoryview(piece))
+                else:
+                    sink.put(piece)
                 crc = None if isinstance(piece, bytes) else layout.crc32(piece)
     except StopIteration as stop:
-        writev_all(fd, run, f.name)
+        if sink is None:
+            writev_all(fd, run, f.name)
+        else:
+            sink.finish()
         return stop.value
 
 
