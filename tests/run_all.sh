@@ -118,11 +118,12 @@ stage "lint: ruff" .venv/bin/ruff check .
 stage "lint: ansible-lint (production profile)" .venv/bin/ansible-lint --profile production -q
 ignores=()
 for t in "${lane2_tests[@]}" "$collection_tests" "${lane3_tests[@]}"; do ignores+=(--ignore="$t"); done
-# The released SGLang server on this CPU (#49, tests/integration/test_sglang_cpu.py) is not in make test
-# yet: it needs its own 7.4 GB venv (make sglang-cpu: about 6 min once per machine) and 3.5-8 min of a
-# lane, which must come back from the stand-in runs it is to replace (docs/benchmarks.md "SGLang on the
-# CPU"). Run it: make sglang-cpu && .venv/bin/pytest tests/integration/test_sglang_cpu.py. Its stand-in
-# kernel and tiny models' own tests (tests/sglang_cpu) run here.
+# The released SGLang server on this CPU (#49) runs in lane 3, in a lab host, as the molecule scenario
+# sglang_server (the tiny Llama through the roles; its venv: make sglang-cpu, a prerequisite of make
+# test). tests/integration/test_sglang_cpu.py runs what the lab does not (the tiny Qwen2 target, hsx
+# patch without Ansible) on this machine: one more real server start (20-90 s of CPU-bound imports)
+# that the budget has no room for. Run it: .venv/bin/pytest tests/integration/test_sglang_cpu.py.
+# The stand-in kernel's and tiny dense models' own tests (tests/sglang_cpu) run here.
 ignores+=(--ignore=tests/integration/test_sglang_cpu.py)
 stage "pytest: unit + integration" .venv/bin/pytest tests/unit tests/sglang_cpu tests/integration -q -p no:cacheprovider \
     --durations=12 --junitxml=.cache/pytest-lane.xml "${ignores[@]}"
