@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 
-from .modelconfig import MAX_CONFIG_BYTES, read_json  # noqa: F401 (MAX_CONFIG_BYTES: kept importable here)
+from .modelconfig import read_json
 from .sglang_patch import DEFAULT_TARGET, PATCH_FILES, TARGETS
 
 SUPPORTED_VERSIONS: tuple[str, ...] = (
