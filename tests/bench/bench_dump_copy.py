@@ -9,6 +9,10 @@ after them). Each way, on a `--size` MiB file of random bytes in `SRC_DIR` (page
   mapped          mmap, CRC of the mapping, sendfile (1b13eb4: a dump that shrinks is a SIGBUS)
   buffer_pass     pread 1 MiB, CRC it, write it, repeat (FileBytes.copy_to: what the writer does)
   sendfile_only   sendfile with no CRC at all (would need a CRC from the hook)
+  copy_check      FileBytes.copy_to with its NaN/Inf check (#49: the writer's path): buffer_pass
+                  plus a masked max over the exponent bits of each 1 MiB chunk
+  check_cfr       the same check and CRC in a pass through a 1 MiB buffer, then copy_file_range
+                  (the in-kernel copy, with the client still checking the bytes)
   hook_zlib_crc   what the hook would pay to CRC its host bytes with zlib (the server's CPU)
 
     .venv/bin/python tests/bench/bench_dump_copy.py [--size 212] [--runs 5] [SRC_DIR [OUT_DIR]]
@@ -32,6 +36,7 @@ sys.path[:0] = [
 import torch  # noqa: E402
 
 from extraction.publish.publisher import all_finite  # noqa: E402
+from extraction.shards.filebytes import FileBytes, OpenFile, first_nonfinite  # noqa: E402
 from hsx.crc import active_crc32  # noqa: E402
 
 CRC32, _ = active_crc32()
@@ -112,6 +117,24 @@ def main() -> None:
             done += got
         os.close(o)
 
+    def copy_check(fd: int) -> None:
+        held = OpenFile(os.dup(fd), src, size)
+        o = new_out()
+        FileBytes(torch.bfloat16, (size // 2,), ((held, 0, size),), check=True).copy_to(o, CRC32)
+        os.close(o)
+        held.close()
+
+    def check_cfr(fd: int) -> None:
+        view, crc, done = memoryview(bytearray(CHUNK)), 0, 0
+        while done < size:
+            got = os.preadv(fd, [view[: min(CHUNK, size - done)]], done)
+            crc, done = CRC32(view[:got], crc), done + got
+            assert first_nonfinite(view[:got], torch.bfloat16) is None
+        o, done = new_out(), 0
+        while done < size:
+            done += os.copy_file_range(fd, o, size - done, done)
+        os.close(o)
+
     def sendfile_only(fd: int) -> None:
         o = new_out()
         sendfile_all(o, fd)
@@ -124,6 +147,8 @@ def main() -> None:
         "mapped": mapped,
         "buffer_pass": buffer_pass,
         "sendfile_only": sendfile_only,
+        "copy_check": copy_check,
+        "check_cfr": check_cfr,
     }
     got: dict[str, list[float]] = {name: [] for name in ways}
     try:

@@ -9,7 +9,9 @@ time). The client is the Runner in this process, as `hsx extract` runs it: `--sa
 `--tokens` tokens each (a long conversation truncated by --max-length), `--concurrency` in flight.
 
 Each round, on the output's file system: dd (zeros, 4 MiB blocks, conv=fsync) of the bytes the
-shards will take, the client's run, dd again. Printed per round and as median [min - max]:
+shards will take, the client's run, dd again, then dd with oflag=direct (the disk's own rate: the
+client writes its shards with O_DIRECT, extraction/shards/direct.py, so the buffered dd's page
+cache is a cost it does not pay). Printed per round and as median [min - max]:
   client MiB/s       shard bytes / (backend ready -> every shard published and indexed), and its
                      ratio to the mean of the two dd's (target >= 0.8)
   disk bytes/byte    sectors the output's block device wrote during the client's run
@@ -25,6 +27,8 @@ shards will take, the client's run, dd again. Printed per round and as median [m
   CPU s/GiB          user + system seconds per GiB of shards: the client's (this process, during
                      its run), the server's (its hook's writer: the null model computes nothing)
                      and dd's (the one after): what the path costs where the CPUs are shared
+  disk busy          the output's block device busy (/proc/diskstats io_ticks) / wall time, during
+                     the client's run and during the dd's: below 1 the disk waited on its writer
 
     .venv/bin/python tests/bench/bench_sglang_client.py [--rounds 3] [--samples 12] [--tokens 3700]
         [--concurrency 8] [--forward-us 0] [--chunk 8192] [--dump-dir DIR] [--dir DIR]
@@ -103,13 +107,20 @@ def proc_cpu_seconds(pid: int) -> float:
 
 def disk_sectors(path: str) -> tuple[str, int]:
     """(device name, sectors written so far) of the block device holding `path`."""
+    name, sectors, _busy = disk_stats(path)
+    return name, sectors
+
+
+def disk_stats(path: str) -> tuple[str, int, float]:
+    """(device name, sectors written so far, seconds it was busy so far: io_ticks) of the block
+    device holding `path`."""
     dev = os.stat(path).st_dev
     major, minor = os.major(dev), os.minor(dev)
     with open("/proc/diskstats", encoding="ascii") as f:
         for line in f:
             fields = line.split()
             if int(fields[0]) == major and int(fields[1]) == minor:
-                return fields[2], int(fields[9])
+                return fields[2], int(fields[9]), int(fields[12]) / 1000
     raise SystemExit(f"{path}: device {major}:{minor} not in /proc/diskstats (not a block device?)")
 
 
@@ -123,14 +134,21 @@ def fs_type(path: str) -> str:
     return kind
 
 
-def dd(directory: Path, nbytes: int) -> float:
-    """MiB/s of dd writing nbytes of zeros into `directory` with fsync."""
+DD_BUSY: list[float] = []  # the disk's busy fraction during each dd
+
+
+def dd(directory: Path, nbytes: int, direct: bool = False) -> float:
+    """MiB/s of dd writing nbytes of zeros into `directory` with fsync (its disk's busy fraction
+    appended to DD_BUSY), or with oflag=direct (the disk's own rate, page cache left out)."""
     target = directory / "dd.bin"
     count = max(1, -(-nbytes // (4 << 20)))
+    busy0 = disk_stats(str(directory))[2]
     t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=4M", f"count={count}", "conv=fsync"],
+    mode = ["oflag=direct", "conv=fsync"] if direct else ["conv=fsync"]
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=4M", f"count={count}", *mode],
                    check=True, capture_output=True)
     seconds = time.perf_counter() - t0
+    DD_BUSY.append((disk_stats(str(directory))[2] - busy0) / seconds)
     target.unlink()
     return count * 4 / seconds
 
@@ -177,17 +195,20 @@ def one_round(model: Path, dataset: Path, work: Path, dump_dir: str, shard_bytes
             batch_size=args.concurrency, progress="off", status_interval=1.0,
         ))
         runner = Runner(cfg, log=lambda m: None)
-        dev, s0 = disk_sectors(str(work))
+        dev, s0, b0 = disk_stats(str(work))
         c0, srv0 = cpu_seconds(), proc_cpu_seconds(proc.pid)
+        t_run = time.perf_counter()
         code = runner.run()
         c1, srv1 = cpu_seconds(), proc_cpu_seconds(proc.pid)
-        _dev, s1 = disk_sectors(str(work))
+        _dev, s1, b1 = disk_stats(str(work))
+        disk_busy = (b1 - b0) / (time.perf_counter() - t_run)
         assert code == 0, f"the client exited {code}"
         with urllib.request.urlopen(url + "/hsx_stats", timeout=10) as r:
             stats = json.loads(r.read())
         d0 = cpu_seconds(resource.RUSAGE_CHILDREN)
         dd_after = dd(work, shard_bytes_guess)
         dd_cpu = cpu_seconds(resource.RUSAGE_CHILDREN) - d0
+        dd_direct = dd(work, shard_bytes_guess, direct=True)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -204,8 +225,11 @@ def one_round(model: Path, dataset: Path, work: Path, dump_dir: str, shard_bytes
         "client_mibs": nbytes / 2**20 / seconds,
         "dd_before": dd_before,
         "dd_after": dd_after,
+        "dd_direct": dd_direct,
         "ratio": nbytes / 2**20 / seconds / dd_mean,
         "disk_per_byte": (s1 - s0) * 512 / nbytes,
+        "disk_busy": disk_busy,
+        "dd_busy": sum(DD_BUSY[-2:]) / 2,
         "idle": stats["idle_s"] / span,
         "hook_us": stats["hook_s"] / max(1, stats["tokens"]) * 1e6,
         "bytes": nbytes,
@@ -249,21 +273,26 @@ def main() -> int:
             rows.append(row)
             print(
                 f"round {r + 1}: client {row['client_mibs']:5.0f} MiB/s ({row['seconds']:.1f} s) | dd "
-                f"{row['dd_before']:.0f}/{row['dd_after']:.0f} MiB/s | ratio {row['ratio']:.3f} | "
+                f"{row['dd_before']:.0f}/{row['dd_after']:.0f} MiB/s (oflag=direct {row['dd_direct']:.0f}) | "
+                f"ratio {row['ratio']:.3f} | "
                 f"{row['device']} wrote {row['disk_per_byte']:.3f} B/shard B | server idle {row['idle']:.3f} | "
                 f"hook {row['hook_us']:.3f} us/token | CPU s/GiB client {row['client_cpu']:.2f} server "
-                f"{row['server_cpu']:.2f} dd {row['dd_cpu']:.2f} | load {os.getloadavg()[0]:.1f}", flush=True
+                f"{row['server_cpu']:.2f} dd {row['dd_cpu']:.2f} | disk busy client {row['disk_busy']:.2f} dd "
+                f"{row['dd_busy']:.2f} | load {os.getloadavg()[0]:.1f}", flush=True
             )
         print(f"over {len(rows)} rounds: median [min - max]")
         for key, label, fmt in (
             ("client_mibs", "client MiB/s", "{:.0f}"),
             ("ratio", "client / mean of dd before+after (target >= 0.8)", "{:.3f}"),
+            ("dd_direct", "dd oflag=direct MiB/s (the disk without the page cache)", "{:.0f}"),
             ("disk_per_byte", "output disk bytes per shard byte (target <= 1.05)", "{:.3f}"),
             ("idle", "server idle fraction (target <= 0.05)", "{:.3f}"),
             ("hook_us", "hook critical path us/token", "{:.3f}"),
             ("client_cpu", "client CPU s/GiB of shards (user + system)", "{:.2f}"),
             ("server_cpu", "server CPU s/GiB (its hook's writer; no model)", "{:.2f}"),
             ("dd_cpu", "dd CPU s/GiB", "{:.2f}"),
+            ("disk_busy", "output disk busy (io_ticks) during the client's run", "{:.2f}"),
+            ("dd_busy", "output disk busy during the dd's", "{:.2f}"),
         ):
             vals = [row[key] for row in rows]
             print(f"  {label:52s} {fmt.format(statistics.median(vals))} [{fmt.format(min(vals))} - {fmt.format(max(vals))}]")
