@@ -1,25 +1,26 @@
-"""The product's own SGLang path against the RELEASED SGLang server, on this machine's CPU.
+"""The product's own SGLang path against the RELEASED SGLang server, on this machine's CPU: what
+the lab does not run (the Qwen2 target, `hsx patch` without Ansible).
 
-No stand-in server: sglang 0.5.23 from the venv of tests/sglang_cpu/install.py (outside the
-checkout; `make sglang-cpu`), started by tests/sglang_cpu/server.py with the `sgl_kernel` stand-in
-(a kernel library whose only wheel is a CUDA build; its docstring says why). What is checked:
-- `hsx patch apply --model M` deploys the patch and hook into the installed SGLang (the file the
-  model's architecture chooses); at the end `hsx patch revert` gives back the released files
-  (their SHA-256 in the wheel's RECORD);
-- the real server on a tiny Llama and a tiny Qwen2 (extraction/testbed/tiny_dense.py), `hsx
-  extract --backend sglang` over a tiny dataset: the shards verify deep and equal the hf backend's
-  shards of the same model - input_ids and loss_mask bit-equal, the states within BF16_TOL (the two
-  run different kernels in bf16; how many states came out bit-equal is printed);
-- chunked prefill forced on for the Llama server (--chunked-prefill-size CHUNK; the Qwen2 server
-  keeps SGLang's default): its shards are the joined pieces, and one long request's dump, kept,
-  is seen in several pieces;
-- nothing is left in the dump directory once the client is done (the hook must not dump what the
-  client did not ask for: SGLang's own /health generate and start-up warm-up requests);
-- a server started WITHOUT --disable-radix-cache: the client refuses it before the first sample
-  (a preflight naming the flag), and no shard is written.
-Lab hosts are not used: the local machine runs the server (3 server starts). A missing venv FAILS
-the test, naming the install command. Figures (server starts, samples/s of both backends) are
-printed by the last test (`-s`).
+The tiny Llama target runs in `make test`, in a lab host, through the roles (the molecule scenario
+sglang_server: the patch deployed, the server the role's unit, `hsx extract --backend sglang` equal
+to the hf backend, chunked prefill, the radix-cache preflight). This module, outside `make test` (a
+server start is 20-90 s of CPU-bound imports; tests/run_all.sh says why), runs the same server on
+the local machine for the tiny Qwen2 target (extraction/testbed/tiny_dense.py). No stand-in server:
+sglang 0.5.23 from the venv of tests/sglang_cpu/install.py (`make sglang-cpu`), seen through an
+overlayfs of this test's own (the cached venv is shared with the lab's hosts and never written),
+started by tests/sglang_cpu/server.py with the `sgl_kernel` stand-in (a kernel library whose only
+wheel is a CUDA build; its docstring says why). What is checked:
+- `hsx patch apply --model M` deploys the patch and hook into the installed SGLang (qwen2.py, which
+  the model's architecture chooses); at the end `hsx patch revert` gives back the released file
+  (its SHA-256 in the wheel's RECORD);
+- `hsx extract --backend sglang` over a tiny dataset, chunked prefill forced on
+  (--chunked-prefill-size CHUNK): the shards verify deep and equal the hf backend's shards of the
+  same model (compare_shards: input_ids and loss_mask bit-equal, the states within
+  compare_shards.BF16_TOL; how many states came out bit-equal is printed), and one long request's
+  dump, kept, is seen in pieces at the chunk boundaries;
+- nothing is left in the dump directory once the client is done.
+A missing venv FAILS the test, naming the install command. Figures (server start, samples/s of
+both backends) are printed by the last test (`-s`). Needs root (the overlay mount).
 
     .venv/bin/pytest tests/integration/test_sglang_cpu.py -q -s -p no:cacheprovider
 """
@@ -41,22 +42,17 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "sglang_cpu"))
 
+import compare_shards  # noqa: E402
 from server import CPUServer, venv_problem  # noqa: E402
 
 from extraction.testbed.tiny import write_tiny_dataset  # noqa: E402
 from extraction.testbed.tiny_dense import CAPTURE_LAYERS, build_tiny_dense  # noqa: E402
-from hsx.index import load_index  # noqa: E402
 
 HSX = str(REPO / ".venv" / "bin" / "hsx")
 LAYERS = ",".join(map(str, CAPTURE_LAYERS))
 SAMPLES = 24
-CHUNK = 64  # --chunked-prefill-size of the Llama server: most tiny samples are longer
-CHUNKED = {"llama": CHUNK, "qwen2": None}
-# The sglang and hf states of one sample: max |a - b| <= BF16_TOL * max |b| per tensor (hidden
-# state and each captured layer). Both are bf16 forwards of one checkpoint by different kernels
-# (SGLang's torch-native layers and attention vs transformers'); bf16 has 8 bits of mantissa, so
-# one rounding step is 2**-8 (0.4%) of a value; the tiny models' differences stay within a few.
-BF16_TOL = 3e-2
+CHUNK = 64  # --chunked-prefill-size: most tiny samples are longer
+ARCHS = ("qwen2",)  # the tiny Llama runs in the lab (tests/molecule/sglang_server)
 pytestmark = pytest.mark.slow
 FIGURES: dict[str, object] = {}
 
@@ -72,13 +68,24 @@ def hsx(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def venv() -> Path:
+def venv(tmp_path_factory) -> Path:
+    """The cached venv seen through an overlayfs of this module's own: the patch writes to the
+    upper layer, the cached venv (the lab hosts' lower layer too) is never written."""
     problem = venv_problem()
     if problem:
         pytest.fail(problem)  # not a skip: this test exists to run the real server
     from install import default_venv
 
-    return default_venv()
+    base = tmp_path_factory.mktemp("venv-overlay")
+    view = base / "venv"
+    for d in ("upper", "work", "venv"):
+        (base / d).mkdir(exist_ok=True)
+    opts = f"lowerdir={default_venv()},upperdir={base / 'upper'},workdir={base / 'work'}"
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(view)], check=True)
+    try:
+        yield view
+    finally:
+        subprocess.run(["umount", str(view)], check=False)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +100,7 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def models(work) -> dict[str, Path]:
-    return {arch: build_tiny_dense(arch, work / f"tiny-{arch}") for arch in ("llama", "qwen2")}
+    return {arch: build_tiny_dense(arch, work / f"tiny-{arch}") for arch in ARCHS}
 
 
 def released(venv: Path, relpath: str) -> bool:
@@ -110,8 +117,8 @@ def released(venv: Path, relpath: str) -> bool:
 
 @pytest.fixture(scope="module")
 def patched(venv, models):
-    """The patch in the installed SGLang for both targets (no backups left in the cached venv);
-    reverted at the end, the released files back byte for byte."""
+    """The patch in the installed SGLang for the targets (no backups left); reverted at the end,
+    the released files back byte for byte."""
     files = {arch: f"srt/models/{arch}.py" for arch in models}
     for model in models.values():  # what an interrupted run left (nothing, usually)
         hsx("patch", "revert", "--sglang", str(venv), "--model", str(model), "--no-backup")
@@ -129,7 +136,7 @@ def patched(venv, models):
     assert not list((venv / "lib").glob("python3*/site-packages/sglang/hsx_*.py")), "hook files left"
 
 
-def serve(model: Path, work: Path, name: str, **kwargs) -> CPUServer:
+def serve(model: Path, work: Path, name: str, venv: Path, **kwargs) -> CPUServer:
     dump_dir = work / f"dumps-{name}"
     dump_dir.mkdir(mode=0o700)
     srv = CPUServer(
@@ -138,6 +145,7 @@ def serve(model: Path, work: Path, name: str, **kwargs) -> CPUServer:
         dump_dir=str(dump_dir),
         dump_layers=LAYERS,
         api_key="hsx-test-key",
+        venv=venv,
         **kwargs,
     )
     srv.start()  # here, not in `with`: the start time is recorded before the test uses it
@@ -189,33 +197,9 @@ def hf_shards(work, models) -> dict[str, Path]:
     return out
 
 
-def compare(got: Path, want: Path) -> dict[str, int]:
-    """Every shard of `got` against `want`'s: ids and mask bit-equal, states within BF16_TOL;
-    how many tensors of each kind came out bit-equal."""
-    mine, ref = load_index(str(got)), load_index(str(want))
-    assert set(mine) == set(ref) and len(ref) == SAMPLES
-    equal: dict[str, int] = {}
-    worst = 0.0
-    for sample_id, entry in ref.items():
-        a = torch.load(got / mine[sample_id].path, weights_only=True)
-        b = torch.load(want / entry.path, weights_only=True)
-        assert a.keys() == b.keys(), sample_id
-        for key in b:
-            if not b[key].is_floating_point():
-                assert torch.equal(a[key], b[key]), (sample_id, key)
-                continue
-            assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype, (sample_id, key)
-            parts = b[key].shape[-1] // b["hidden_state"].shape[-1]
-            for i, (x, y) in enumerate(
-                zip(a[key].float().chunk(parts, -1), b[key].float().chunk(parts, -1), strict=True)
-            ):
-                name = f"{key}[{i}]" if parts > 1 else key
-                rel = ((x - y).abs().max() / y.abs().max()).item()
-                worst = max(worst, rel)
-                assert rel <= BF16_TOL, f"{sample_id} {name}: max|a-b|/max|b| = {rel:.4f} > {BF16_TOL}"
-                equal[name] = equal.get(name, 0) + int(torch.equal(x, y))
-    equal["worst_rel"] = round(worst, 4)
-    return equal
+def compare(got: Path, want: Path) -> dict:
+    """compare_shards.compare (ids and mask bit-equal, states within BF16_TOL), every sample."""
+    return compare_shards.compare(got, want, SAMPLES)
 
 
 def verify_deep(out: Path) -> None:
@@ -223,13 +207,12 @@ def verify_deep(out: Path) -> None:
     assert json.loads(done.stdout)["ok"] == SAMPLES, done.stdout[-2000:]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_real_server_shards_verify_deep_and_equal_hf(arch, work, models, patched, hf_shards):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_real_server_shards_verify_deep_and_equal_hf(arch, venv, work, models, patched, hf_shards):
     out = work / f"sglang-{arch}"
-    with serve(models[arch], work, arch, chunked_prefill_size=CHUNKED[arch]) as srv:
+    with serve(models[arch], work, arch, venv, chunked_prefill_size=CHUNK) as srv:
         _, seconds = extract(work, models[arch], out, srv)
-        if CHUNKED[arch]:
-            long_request_comes_in_pieces(srv, models[arch])
+        long_request_comes_in_pieces(srv, models[arch])
     FIGURES[f"sglang_{arch}_samples_per_s"] = round(SAMPLES / seconds, 2)
     verify_deep(out)
     FIGURES[f"bit_equal_{arch}"] = compare(out, hf_shards[arch])
@@ -263,7 +246,7 @@ def long_request_comes_in_pieces(srv: CPUServer, model: Path) -> None:
         os.unlink(os.path.join(dump_dir, name))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_nothing_is_left_in_the_dump_directory(arch, work):
     """After the run and the server's stop, every file the hook wrote has been read and removed."""
     dump_dir = work / f"dumps-{arch}"
@@ -272,33 +255,6 @@ def test_nothing_is_left_in_the_dump_directory(arch, work):
     assert not left, (
         f"{len(left)} files left in {dump_dir} that no client will read or remove "
         f"(requests the client did not send were dumped): {left[:6]}"
-    )
-
-
-def test_radix_cache_server_is_refused_before_any_sample(work, models, patched):
-    """SGLang serves a cached prefix without computing it, so its states are never dumped: the
-    client must refuse such a server at start (a preflight naming the flag), before any request -
-    not fail sample after sample (each retry finds its own first attempt's prefix cached), and
-    never write a shard of short states."""
-    out = work / "sglang-llama-radix"
-    with serve(models["llama"], work, "radix", radix_cache=True) as srv:
-        done, _ = extract(work, models["llama"], out, srv, check=False)
-    said = done.stdout + done.stderr
-    done_samples = load_index(str(out)) if (out / "index.jsonl").exists() else {}
-    short = []
-    for sample_id, entry in done_samples.items():  # whatever got through must be whole
-        shard = torch.load(out / entry.path, weights_only=True)
-        if shard["hidden_state"].shape[-2] != shard["input_ids"].shape[-1]:
-            short.append(sample_id)
-    assert not short, f"short states written for {short}"
-    assert done.returncode != 0, said[-3000:]
-    errors = out / "errors.jsonl"
-    failed = [json.loads(line) for line in errors.read_text().splitlines()] if errors.exists() else []
-    failed = [e for e in failed if e.get("kind") == "sample"]
-    assert "--disable-radix-cache" in said and not done_samples and not failed, (
-        f"rc {done.returncode}: {len(done_samples)} samples written, {len(failed)} failed one by one "
-        f"(first: {failed[0]['reason'] if failed else None}); the client has no preflight for the "
-        f"radix cache:\n{said[-2000:]}"
     )
 
 

@@ -6,7 +6,7 @@ on PYTHONPATH; its docstring says why). The command line is the one roles/sglang
 0.5.23 (--tp-size 1 --dp-size 1 --pp-size 1 --disable-radix-cache --cuda-graph-backend-prefill
 disabled), plus what the CPU needs (../shared/DESIGN.md section 12): `--device cpu` with
 SGLANG_USE_CPU_ENGINE=1 (without it sglang imports vllm), `--max-total-tokens 8192` (by default the
-KV pool reserves ~70% of RAM).
+KV pool reserves ~70% of RAM), `--sleep-on-idle`.
 
     with CPUServer(model_dir, dump_dir=..., dump_layers="1,2,3") as srv:   # waits for /health
         srv.url, srv.start_seconds
@@ -38,7 +38,8 @@ from install import STAMP, default_venv  # noqa: E402  (this directory's install
 STANDIN_DIR = Path(__file__).resolve().parent  # holds sgl_kernel/
 INSTALL_CMD = "python tests/sglang_cpu/install.py (or: make sglang-cpu)"
 ROLE_ARGS = ("--tp-size", "1", "--dp-size", "1", "--pp-size", "1", "--cuda-graph-backend-prefill", "disabled")
-CPU_ARGS = ("--device", "cpu", "--max-total-tokens", "8192")
+# --sleep-on-idle: an idle scheduler otherwise polls its sockets without pause (a whole core).
+CPU_ARGS = ("--device", "cpu", "--max-total-tokens", "8192", "--sleep-on-idle")
 
 
 class ServerError(RuntimeError):
