@@ -9,10 +9,13 @@ after them). Each way, on a `--size` MiB file of random bytes in `SRC_DIR` (page
   mapped          mmap, CRC of the mapping, sendfile (1b13eb4: a dump that shrinks is a SIGBUS)
   buffer_pass     pread 1 MiB, CRC it, write it, repeat (FileBytes.copy_to: what the writer does)
   sendfile_only   sendfile with no CRC at all (would need a CRC from the hook)
-  copy_check      FileBytes.copy_to with its NaN/Inf check (#49: the writer's path): buffer_pass
-                  plus a masked max over the exponent bits of each 1 MiB chunk
-  check_cfr       the same check and CRC in a pass through a 1 MiB buffer, then copy_file_range
-                  (the in-kernel copy, with the client still checking the bytes)
+  copy_check      FileBytes.copy_to with its NaN/Inf check: buffer_pass plus a masked max over
+                  the exponent bits of each 1 MiB chunk
+  copy_direct     the same into a DirectSink (#49, the writer's path): read into the aligned
+                  staging buffer, checked there, written with O_DIRECT (no page cache for the shard)
+  check_send      the check and CRC in a pass through a 1 MiB buffer, then the in-kernel copy:
+                  copy_file_range, or sendfile where it says EXDEV (a dump on tmpfs, the shard
+                  on disk: Linux refuses copy_file_range across file systems)
   hook_zlib_crc   what the hook would pay to CRC its host bytes with zlib (the server's CPU)
 
     .venv/bin/python tests/bench/bench_dump_copy.py [--size 212] [--runs 5] [SRC_DIR [OUT_DIR]]
@@ -21,6 +24,7 @@ after them). Each way, on a `--size` MiB file of random bytes in `SRC_DIR` (page
 from __future__ import annotations
 
 import argparse
+import errno
 import mmap
 import os
 import resource
@@ -36,6 +40,7 @@ sys.path[:0] = [
 import torch  # noqa: E402
 
 from extraction.publish.publisher import all_finite  # noqa: E402
+from extraction.shards.direct import DirectSink  # noqa: E402
 from extraction.shards.filebytes import FileBytes, OpenFile, first_nonfinite  # noqa: E402
 from hsx.crc import active_crc32  # noqa: E402
 
@@ -117,22 +122,31 @@ def main() -> None:
             done += got
         os.close(o)
 
-    def copy_check(fd: int) -> None:
+    def copy_check(fd: int, direct: bool = False) -> None:
         held = OpenFile(os.dup(fd), src, size)
         o = new_out()
-        FileBytes(torch.bfloat16, (size // 2,), ((held, 0, size),), check=True).copy_to(o, CRC32)
+        sink = DirectSink(o) if direct else None
+        FileBytes(torch.bfloat16, (size // 2,), ((held, 0, size),), check=True).copy_to(sink or o, CRC32)
+        if sink is not None:
+            sink.finish()
         os.close(o)
         held.close()
 
-    def check_cfr(fd: int) -> None:
+    def check_send(fd: int) -> None:
         view, crc, done = memoryview(bytearray(CHUNK)), 0, 0
         while done < size:
             got = os.preadv(fd, [view[: min(CHUNK, size - done)]], done)
             crc, done = CRC32(view[:got], crc), done + got
             assert first_nonfinite(view[:got], torch.bfloat16) is None
         o, done = new_out(), 0
-        while done < size:
-            done += os.copy_file_range(fd, o, size - done, done)
+        try:
+            while done < size:
+                done += os.copy_file_range(fd, o, size - done, done)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            while done < size:
+                done += os.sendfile(o, fd, done, size - done)
         os.close(o)
 
     def sendfile_only(fd: int) -> None:
@@ -148,7 +162,8 @@ def main() -> None:
         "buffer_pass": buffer_pass,
         "sendfile_only": sendfile_only,
         "copy_check": copy_check,
-        "check_cfr": check_cfr,
+        "copy_direct": lambda fd: copy_check(fd, direct=True),
+        "check_send": check_send,
     }
     got: dict[str, list[float]] = {name: [] for name in ways}
     try:
