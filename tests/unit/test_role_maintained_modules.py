@@ -35,4 +35,6 @@ def test_monitoring_reads_node_exporters_state_from_systemd_service():
     assert set(state[0]["ansible.builtin.systemd_service"]) == {"name"}  # reads only: no state, no enabled
     assert state[0]["check_mode"] is False
     facts = next(t for t in tasks if "_monitoring_ne_active" in t.get("ansible.builtin.set_fact", {}))
-    assert "_monitoring_ne_state.status" in facts["ansible.builtin.set_fact"]["_monitoring_ne_active"]
+    active = facts["ansible.builtin.set_fact"]["_monitoring_ne_active"]
+    active = facts.get("vars", {}).get(active.strip("{} "), active)  # through the task's own vars
+    assert "_monitoring_ne_state.status" in active and "ActiveState" in active, active
