@@ -29,3 +29,17 @@ def test_ansible_doc_renders_every_module_from_the_checkout() -> None:
     assert "[ERROR]" not in proc.stderr and "[WARNING]" not in proc.stderr, proc.stderr
     shown = [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("> MODULE ")]
     assert shown == MODULES, proc.stdout[:2000]
+
+
+def test_the_checkouts_stand_in_collection_is_never_taken_for_a_release() -> None:
+    """collections/'s hsx.recovery (only the doc fragments) says version 0.0.0: without a version
+    ansible-galaxy counts it as any version, and `ansible-galaxy collection install` of a real tarball
+    run in the checkout said "Nothing to do. All requested collections are already installed"."""
+    import yaml
+
+    stand_in = ROOT / "collections" / "ansible_collections" / "hsx" / "recovery"
+    meta = yaml.safe_load((stand_in / "galaxy.yml").read_text())
+    assert (meta["namespace"], meta["name"], meta["version"]) == ("hsx", "recovery", "0.0.0")
+    assert sorted(p.name for p in stand_in.iterdir()) == ["galaxy.yml", "plugins"]
+    assert (stand_in / "plugins" / "doc_fragments").resolve() == ROOT / "doc_fragments"
+
