@@ -1,7 +1,7 @@
 """A tensor's bytes left in files, never read into a tensor: copied into a shard as it is written.
 
-The sglang path (#38, docs/benchmarks.md "the client after #38"): a dump's states are exactly the
-shard's bytes. Read into memory of the client (pread) and written from there, every byte crosses
+The sglang path (#38, #49; docs/benchmarks.md "the client after #49 item 6"): a dump's states are
+exactly the shard's bytes. Read into memory of the client (pread) and written from there, every byte crosses
 user space twice through a buffer as large as the sample (fresh pages: faults and zeroing); mapped
 (as before #38), a dump that shrinks under the client is a SIGBUS that kills it. `FileBytes` is
 neither: the states stay in their files, and the shard writer copies them through one small
