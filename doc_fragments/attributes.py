@@ -27,3 +27,13 @@ attributes:
     support: full
     platforms: posix
 """
+
+    # `hsx.recovery.attributes.facts`: for a module that sets facts (as ansible.builtin's
+    # action_common_attributes.facts), so the other modules show no facts attribute.
+    FACTS = r"""
+options: {}
+attributes:
+  facts:
+    description: Action returns an C(ansible_facts) dictionary that will update existing host facts.
+    support: full
+"""

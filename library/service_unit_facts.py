@@ -43,6 +43,7 @@ seealso:
     description: Chosen properties of chosen systemd units, in its own result rather than as facts.
 extends_documentation_fragment:
   - hsx.recovery.attributes
+  - hsx.recovery.attributes.facts
 attributes:
   check_mode:
     support: full
@@ -50,7 +51,6 @@ attributes:
   diff_mode:
     support: none
   facts:
-    description: Action returns an C(ansible_facts) dictionary that will update existing host facts.
     support: full
     details: Sets C(ansible_facts.services), as M(ansible.builtin.service_facts) does.
 """

@@ -23,7 +23,8 @@ version_added: "0.2.0"
 author:
   - hsx maintainers (!UNKNOWN)
 requirements:
-  - python >= 3.10 on the managed host (O(python) too)
+  - python >= 3.10 on the managed host
+  - O(python) a Python 3.8 or later (C(importlib.metadata))
 options:
   python:
     description:

@@ -178,7 +178,8 @@ def test_modules_share_the_attributes_text_through_the_doc_fragment(coll):
     spec = importlib.util.spec_from_file_location("hsx_attributes_fragment", fragment_path)
     fragment_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fragment_module)
-    shared = yaml.safe_load(fragment_module.ModuleDocFragment.DOCUMENTATION)["attributes"]
+    shared = {name: attr for var in ("DOCUMENTATION", "FACTS")  # FACTS: hsx.recovery.attributes.facts
+              for name, attr in yaml.safe_load(getattr(fragment_module.ModuleDocFragment, var))["attributes"].items()}
     texts = {a["description"] for a in shared.values()}
     for name in MODULES:
         doc = module_doc(ROOT / "library" / name)
