@@ -94,7 +94,9 @@ def failed_remedies(state: dict[str, Any], policy: Policy, now: float) -> list[d
 
 def common_cause(state: dict[str, Any], hosts: list[str], since: float) -> str:
     """The category most of these hosts' latest findings share ("storage", "unreachable"), else
-    "unknown". Only a verified observation names a cause: an alert's name alone does not."""
+    "unknown": a strict majority of the verified findings, and at least half of the hosts. Only a verified
+    observation names a cause: an alert's name alone does not, nor does a verification that could not run
+    (it saw nothing: it neither names nor outvotes one)."""
     latest: dict[str, str] = {}
     for r in state.get("requests", []):
         if r["host"] in hosts and r["at"] >= since and r.get("finding"):
@@ -102,10 +104,12 @@ def common_cause(state: dict[str, Any], hosts: list[str], since: float) -> str:
     for o in state.get("outcomes", []):
         if o["host"] in hosts and o["at"] >= since and o.get("cause"):
             latest[o["host"]] = o["cause"]
+    latest = {h: c for h, c in latest.items() if c != FINDING_UNVERIFIED}
     if not latest:
         return "unknown"
     cause, n = Counter(latest.values()).most_common(1)[0]
-    return cause if cause in (FINDING_STORAGE, FINDING_UNREACHABLE) and n * 2 > len(hosts) else "unknown"
+    named = cause in (FINDING_STORAGE, FINDING_UNREACHABLE) and n * 2 > len(latest) and n * 2 >= len(hosts)
+    return cause if named else "unknown"
 
 
 def _breaker(state: dict[str, Any], policy: Policy, now: float, why: str, hosts: list[str]) -> dict[str, Any]:

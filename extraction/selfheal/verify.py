@@ -57,6 +57,8 @@ def judge(result: dict[str, Any]) -> Verification:
         return Verification(f"{FINDING_STORAGE}: the output on {host} is not writable: {storage.get('error') or '?'}")
     if result.get("error"):
         return Verification(f"{FINDING_UNVERIFIED}: {host}'s job could not be read: {result['error']}")
+    if result.get("status_read") is False:  # it answered the ping, then not (the play went on without it)
+        return Verification(f"{FINDING_UNVERIFIED}: {host}'s job status was not read (it stopped answering)")
     if status.get("state") == STATE_DISK_LOW:  # the job's own reading: a full disk still lets the probe's empty file in
         return Verification(f"{FINDING_STORAGE}: the output on {host} is full (its job paused: {status.get('msg') or '?'})")
     age, uptime = status.get("status_age_s"), status.get("uptime_s")
@@ -68,6 +70,14 @@ def judge(result: dict[str, Any]) -> Verification:
                             f"(state {status.get('state')}, {status.get('done')} done)")
     return Verification(f"{FINDING_CONFIRMED}: {host}'s job is not making progress (state {status.get('state')}, "
                         f"process {'alive' if status.get('pid_alive') else 'gone'})")
+
+
+def _plain(env: dict[str, str]) -> dict[str, str]:
+    """`env` without what ansible-rulebook's runner sets for its own playbook (an event-stream stdout
+    callback: base64 and terminal codes), so that a failed verification's output tail reads as text."""
+    drop = ("ANSIBLE_STDOUT_CALLBACK", "ANSIBLE_CALLBACK_PLUGINS", "ANSIBLE_CALLBACKS_ENABLED", "AWX_", "RUNNER_")
+    plain = {k: v for k, v in env.items() if not k.startswith(drop)}
+    return dict(plain, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0")
 
 
 def verify(project_dir: Path | None, inventories: list[str], host: str, claim: str, *, env: dict[str, str],
@@ -83,7 +93,7 @@ def verify(project_dir: Path | None, inventories: list[str], host: str, claim: s
                                   "hsx_verify_exporter_port": exporter_port,
                                   "hsx_verify_progress_window": progress_window_s})]
         try:
-            run = subprocess.run(argv, cwd=project_dir, env=env, capture_output=True, text=True, timeout=timeout_s)
+            run = subprocess.run(argv, cwd=project_dir, env=_plain(env), capture_output=True, text=True, timeout=timeout_s)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return Verification(f"{FINDING_UNVERIFIED}: the verification play did not run: {exc}")
         try:

@@ -114,6 +114,12 @@ def test_the_common_cause_comes_from_verified_findings_only() -> None:
     assert pol.decide(s, P, T + 1, "n3", 3).open_breaker["cause"] == "unknown"
     s = state(requests=[req(h, T, alert="HsxSelfHealNodeDown") for h in ("n1", "n2", "n3")])
     assert pol.decide(s, P, T + 1, "n3", 3).open_breaker["cause"] == "unknown"
+    # A verification that could not run saw nothing: it neither names nor outvotes a cause.
+    s = state(requests=[req("n1", T, finding="storage: [Errno 5] Input/output error"),
+                        req("n2", T, finding="unverified: the verification play wrote no result")])
+    assert pol.decide(s, P, T + 1, "n2", 2).open_breaker["cause"] == "storage"
+    s["requests"][0]["finding"] = "unverified: it stopped answering"
+    assert pol.decide(s, P, T + 1, "n2", 2).open_breaker["cause"] == "unknown"
 
 
 def test_bad_settings_are_refused() -> None:
@@ -193,6 +199,8 @@ def test_the_verifications_findings() -> None:
     eio = {"probed": True, "writable": False, "error": "[Errno 5] Input/output error"}
     assert judge(base | {"error": "status.json: [Errno 5] Input/output error", "storage": eio}).category == "storage"
     assert judge(base | {"error": "status.json: unreadable"}).category == "unverified"
+    # It answered the ping, then not: its status was never read - never taken for "not progressing".
+    assert "was not read" in judge(base | {"status_read": False, "status": {}}).finding
     # A full disk: creating the probe's empty file still works; the job's own reading says why it stopped.
     full = {"state": "paused: disk low", "done": 7, "making_progress": False, "pid_alive": False,
             "msg": "disk low on /data: 8388608 bytes free", "status_age_s": 40, "uptime_s": 900}
