@@ -76,15 +76,25 @@ def _start(stack: Stack, name: str, argv: list[str], env: dict[str, str] | None 
     return log
 
 
+def control_node_exporter() -> Path:
+    """The distribution's node_exporter of the lab hosts' rootfs (Debian's prometheus-node-exporter, a
+    static binary), run on the control node for the loop's own textfile (hsx-selfheal.prom)."""
+    found = sorted(Path(os.environ.get("HSX_LAB_CACHE", "/var/cache/hsx-lab")).glob("rootfs-*/usr/bin/prometheus-node-exporter"))
+    assert found, "no lab rootfs with prometheus-node-exporter (make lab-ensure builds it)"
+    return found[-1]
+
+
 def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Path,
-          node_down_for_s: int | None = None, brakes: dict | None = None) -> Stack:
+          node_down_for_s: int | None = None, brakes: dict | None = None, scrape_loop: bool = False) -> Stack:
     """Prometheus scraping `targets` ({inventory name: address}; the name as the target label hsx_host),
     Alertmanager routing to the rulebook, and the rulebook, whose remedies read `inventory` (its
     sources: the lab's dynamic one first) and write their reports in `report_dir`. The node-down
     alert's `for:` (the takeover's window, production 10 minutes) is shortened only when
     `node_down_for_s` is given: a lab host's power cycle must not be taken for a dead node. `brakes`: the
-    rulebook's hsx_selfheal_breaker_* / _flap_* settings where a test needs others than the defaults."""
-    am_port, prom_port, hook_port = free_port(), free_port(), free_port()
+    rulebook's hsx_selfheal_breaker_* / _flap_* settings where a test needs others than the defaults.
+    `scrape_loop`: also a node_exporter on the control node reading the loop's textfile directory (`d`),
+    so that HsxSelfHealBreakerOpen / HsxSelfHealHostHeld fire in this Prometheus."""
+    am_port, prom_port, hook_port, loop_port = free_port(), free_port(), free_port(), free_port()
     rule_edits = RULE_EDITS + ([("for: 10m", f"for: {node_down_for_s}s")] if node_down_for_s else [])
     (d / "hsx-selfheal.rules.yml").write_text(
         edited((FILES / "hsx-selfheal.rules.yml").read_text(), rule_edits, "hsx-selfheal.rules.yml"))
@@ -98,7 +108,9 @@ def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Pa
         "rule_files": [str(d / "hsx-selfheal.rules.yml")],
         "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
         "scrape_configs": [{"job_name": "node", "params": SCRAPE_PARAMS, "static_configs": [
-            {"targets": [f"{address}:9100"], "labels": {"hsx_host": name}} for name, address in targets.items()]}],
+            {"targets": [f"{address}:9100"], "labels": {"hsx_host": name}} for name, address in targets.items()]}]
+        + ([{"job_name": "selfheal", "params": {"collect[]": ["textfile"]},
+             "static_configs": [{"targets": [f"127.0.0.1:{loop_port}"]}]}] if scrape_loop else []),
     }))
     (d / "selfheal.yml").write_text(edited(RULEBOOK.read_text(), RULEBOOK_EDITS, "selfheal.yml"))
     (d / "selfheal-vars.yml").write_text(yaml.safe_dump({"hsx_selfheal_port": hook_port,
@@ -113,6 +125,10 @@ def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Pa
     (d / "rulebook-inventory.yml").write_text(yaml.safe_dump(
         {"all": {"children": {"extraction_nodes": {"hosts": {name: None for name in targets}}}}}))
     stack = Stack(d, Prometheus(f"http://127.0.0.1:{prom_port}"))
+    if scrape_loop:
+        _start(stack, "node-exporter", [str(control_node_exporter()), f"--web.listen-address=127.0.0.1:{loop_port}",
+                                        "--collector.disable-defaults", "--collector.textfile",
+                                        f"--collector.textfile.directory={d}"])
     _start(stack, "alertmanager", ["prometheus-alertmanager", f"--config.file={d / 'alertmanager.yml'}",
                                    f"--storage.path={d / 'am-data'}", f"--web.listen-address=127.0.0.1:{am_port}",
                                    "--cluster.listen-address="])
