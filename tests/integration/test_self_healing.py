@@ -63,7 +63,7 @@ def power_cycle(h: str) -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("selfheal")
-    lab("up", "2", "--data-size", "1G")
+    lab("up", "2", "--data-size", "2G")  # sparse; two runs of DATASET when the correlated failures run too
     running = None
     try:
         inventory = [str(REPO / "inventory" / "lab"), str(d / "lab-vars.yml")]
