@@ -304,7 +304,9 @@ def test_correlated_failures_stop_the_loop_until_a_person_resumes(stack, tmp_pat
             ids = [r["id"] for r in records if r and "id" in r]
             assert len(ids) == len(set(ids)) == DATASET, (h, len(ids), len(set(ids)))
         ledger = json.loads((a / "selfheal-state" / "ledger.json").read_text())
-        assert not [o for o in ledger.get("outcomes", []) if o.get("remedy") == "takeover"], ledger["outcomes"]
+        # Takeovers were asked for (the node-down alerts) and held, never run.
+        takeovers = [o for o in ledger.get("outcomes", []) if o.get("remedy") == "takeover"]
+        assert takeovers and all(o["outcome"] in ("held", "not-confirmed") for o in takeovers), takeovers
         assert not ledger.get("retired"), ledger
     finally:
         loop.stop()
