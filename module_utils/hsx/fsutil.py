@@ -15,6 +15,10 @@ are created O_EXCL under names nobody can guess. A link where one of our entries
 refused (LinkRefused, naming it), never followed and never removed: we do not make links there,
 so someone else did. The root itself (OUTPUT, DEST) may be a link - to another disk, say: it is
 the operator's path, resolved where it is opened; its parent must not be writable by others.
+
+read_regular is the one bounded reader of a file outside an output directory that someone else
+may have put there (a model's config.json, a source file to patch): regular files only, never
+blocking on a FIFO, a byte limit, links refused unless the caller follows them.
 """
 
 from __future__ import annotations
@@ -145,6 +149,40 @@ def read_nofollow(path: str, limit: int = -1) -> bytes:
         raise LinkRefused(e.path, e.found, "read") from None
     with open(fd, "rb") as f:
         return f.read(limit)
+
+
+def read_regular(path: str, limit: int | None, *, follow_links: bool = False) -> bytes:
+    """The bytes of the regular file `path`, one someone else may have put there (a model's
+    config.json, a source file to patch): never blocking on a FIFO or a device put at its name,
+    refused unless a regular file, refused when over `limit` bytes (None: no cap). A symlink at
+    `path` is refused unless `follow_links` (a hub snapshot's files are links, so are some
+    installs' sources); its directories are resolved as given either way.
+
+    Errors name `path` (as their filename; the caller words its own message from `strerror`):
+    OSError when it cannot be opened or read (FileNotFoundError ...), is a symlink and
+    `follow_links` is off (ELOOP, "a symlink, not followed"), or is not a regular file (EINVAL,
+    "not a regular file"); ValueError "PATH: over LIMIT bytes" when larger than `limit`."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | O_CLOEXEC | (0 if follow_links else O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow_links and os.path.islink(path):
+            raise OSError(errno.ELOOP, "a symlink, not followed", path) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(-1 if limit is None else limit + 1)
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
+    finally:
+        os.close(fd)
+    if limit is not None and len(data) > limit:
+        raise ValueError(f"{path}: over {limit} bytes")
+    return data
 
 
 def nofollow_opener(path: str, flags: int) -> int:

@@ -8,29 +8,23 @@ from __future__ import annotations
 
 import json
 import os
-import stat
+
+from .fsutil import read_regular
 
 MAX_CONFIG_BYTES = 1 << 20  # a model's config.json is a few KiB; more is not one
 
 
 def read_json(model_dir: str) -> object:
     """config.json of the model in `model_dir` (links followed: a hub snapshot's files are links),
-    parsed; ValueError naming the file when it cannot be read, is not a regular file, is over
-    MAX_CONFIG_BYTES or is not JSON."""
+    parsed; ValueError naming the file when it cannot be read, is not a regular file (a FIFO is
+    refused, never waited on), is over MAX_CONFIG_BYTES or is not JSON (fsutil.read_regular)."""
     path = os.path.join(model_dir, "config.json")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_regular(path, MAX_CONFIG_BYTES, follow_links=True)
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the model's config: {exc.strerror}") from None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ValueError(f"{path}: not a regular file")
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the model's config: {exc.strerror}") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ValueError(f"{path}: over {MAX_CONFIG_BYTES} bytes, not a model config")
+    except ValueError as exc:  # over the limit
+        raise ValueError(f"{exc}, not a model config") from None
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .fsutil import read_regular
+
 UNPATCHED = "unpatched"
 PATCHED = "patched"
 OUTDATED = "outdated"
@@ -305,16 +307,9 @@ def check_python(text: str, path: str) -> None:
 
 def read_text(path: str) -> str:
     """The file's text (through a symlink); PatchError when it cannot be read, is not a regular
-    file (a FIFO would block a reader forever) or is not UTF-8."""
+    file (a FIFO would block a reader forever) or is not UTF-8 (fsutil.read_regular, no cap)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise PatchError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise PatchError(f"{path}: not a regular file")
-            data = f.read()
+        data = read_regular(path, None, follow_links=True)
     except OSError as exc:
         raise PatchError(f"{path}: cannot read: {exc.strerror}") from None
     try:
