@@ -27,6 +27,7 @@ import torch
 from extraction.backends.base import Sample, SampleStates
 from extraction.publish.diskguard import DiskGuard, DiskLow, estimate_shard_bytes
 from extraction.shards import DiskFullError, ShardDataError, ShardWriter
+from extraction.shards.filebytes import EXPONENT_MASKS
 from hsx import cores
 from hsx.index import IndexEntry
 from hsx.layout import KEY_AUX, KEY_HIDDEN
@@ -45,13 +46,6 @@ def drain_threads(writer_threads: int) -> int:
     return max(writer_threads, min(DRAIN_WRITER_THREADS, cores.usable_cores()))
 
 
-_EXPONENT = {
-    torch.bfloat16: (torch.int16, 0x7F80),
-    torch.float16: (torch.int16, 0x7C00),
-    torch.float32: (torch.int32, 0x7F800000),
-}
-
-
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN/Inf: no element with an all-ones exponent, found by a masked max over the bits.
 
@@ -59,11 +53,11 @@ def all_finite(t: torch.Tensor) -> bool:
     OpenMP team of its own (torch.get_num_threads() threads) beside the forward pass's, which then
     waits at its barriers for cores. NumPy's elementwise ops use one thread. No torch op runs
     here but views (a test checks)."""
-    spec = _EXPONENT.get(t.dtype)
+    spec = EXPONENT_MASKS.get(t.dtype)
     if spec is None or t.numel() == 0 or t.stride(-1) != 1 or t.device.type != "cpu":
         return bool(torch.isfinite(t).all())
     itype, mask = spec
-    bits = t.view(itype).numpy()
+    bits = t.view(torch.uint8).numpy().view(itype)  # bytes to numpy: it has no bfloat16
     return int(numpy.bitwise_and(bits, mask).max()) != mask
 
 
