@@ -33,6 +33,7 @@ import datetime
 from collections import Counter
 from typing import Any
 
+from extraction.selfheal.promtext import escape_label
 from hsx.buckets import AssignError, format_ranges, parse_assign
 
 STATES = ("done", "running", "unreachable", "unassigned")
@@ -249,13 +250,13 @@ def prometheus_text(view: dict[str, Any], hosts: list[Any] | None = None) -> str
     if view.get("known"):
         for h, v in view["per_host"].items():
             for s, c in v["buckets"].items():
-                out.append(f'hsx_fleet_buckets{{host="{_label(h)}",state="{s}"}} {c}')
+                out.append(f'hsx_fleet_buckets{{host="{escape_label(h)}",state="{s}"}} {c}')
     out += ["# HELP hsx_fleet_host_samples_done Samples in a host's index (its own disk).",
             "# TYPE hsx_fleet_host_samples_done gauge"]
     if view.get("known"):
         for h, v in view["per_host"].items():
             if v["samples_done"] is not None:
-                out.append(f'hsx_fleet_host_samples_done{{host="{_label(h)}"}} {v["samples_done"]}')
+                out.append(f'hsx_fleet_host_samples_done{{host="{escape_label(h)}"}} {v["samples_done"]}')
     out += ["# HELP hsx_fleet_samples The dataset's samples over the fleet: done once, done twice, missing.",
             "# TYPE hsx_fleet_samples gauge"]
     if view.get("known"):
@@ -270,18 +271,18 @@ def prometheus_text(view: dict[str, Any], hosts: list[Any] | None = None) -> str
     retired = [h for h in hosts or [] if h.taken_over is not None]
     out += ["# HELP hsx_fleet_retired 1 for a host the fleet's assignment retired (taken over).",
             "# TYPE hsx_fleet_retired gauge"]
-    out += [f'hsx_fleet_retired{{host="{_label(h.host)}"}} 1' for h in retired]
+    out += [f'hsx_fleet_retired{{host="{escape_label(h.host)}"}} 1' for h in retired]
     out += ["# HELP hsx_fleet_retired_running 1 while a retired host's job runs on (stop it: hsx takeover HOST).",
             "# TYPE hsx_fleet_retired_running gauge"]
-    out += [f'hsx_fleet_retired_running{{host="{_label(h.host)}"}} {1 if h.retired_running else 0}'
+    out += [f'hsx_fleet_retired_running{{host="{escape_label(h.host)}"}} {1 if h.retired_running else 0}'
             for h in retired]
     out += ["# HELP hsx_fleet_parked_buckets Buckets parked on a host taken over while not answering, not done yet "
             "(they count once its output is read; hsx takeover HOST --disk-lost redoes them).",
             "# TYPE hsx_fleet_parked_buckets gauge"]
-    out += [f'hsx_fleet_parked_buckets{{host="{_label(h)}"}} {p["count"]}' for h, p in view.get("parked", {}).items()]
+    out += [f'hsx_fleet_parked_buckets{{host="{escape_label(h)}"}} {p["count"]}' for h, p in view.get("parked", {}).items()]
     out += ["# HELP hsx_fleet_parked_since_timestamp_seconds When a host's buckets were parked (its park window runs "
             "from here).", "# TYPE hsx_fleet_parked_since_timestamp_seconds gauge"]
-    out += [f'hsx_fleet_parked_since_timestamp_seconds{{host="{_label(h)}"}} {_epoch_s(p["since"])}'
+    out += [f'hsx_fleet_parked_since_timestamp_seconds{{host="{escape_label(h)}"}} {_epoch_s(p["since"])}'
             for h, p in view.get("parked", {}).items() if _epoch_s(p["since"]) is not None]
     return "\n".join(out) + "\n"
 
@@ -292,7 +293,3 @@ def _epoch_s(iso: Any) -> int | None:
         return int(datetime.datetime.fromisoformat(str(iso)).timestamp())
     except ValueError:
         return None
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -13,8 +13,19 @@ from hsx.fsutil import atomic_write_bytes
 FILENAME = "hsx-selfheal.prom"
 
 
-def _label(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")[:300]
+FREE_TEXT_CHARS = 300  # a why or a cause shown in an alert: one line, clipped
+
+
+def escape_label(value: str) -> str:
+    """`value` as a Prometheus text-format label value (between its double quotes): backslash,
+    double quote and newline escaped, as the exposition format says; nothing else changed."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _label(value: object) -> str:
+    """A free-text label of ours (a why, a cause, hosts): flattened to one line and clipped to
+    FREE_TEXT_CHARS, then escaped (clipped after, an escape could be cut in two)."""
+    return escape_label(str(value).replace("\n", " ")[:FREE_TEXT_CHARS])
 
 
 def render(state: dict[str, Any], now: float) -> str:

@@ -175,6 +175,20 @@ def test_the_metrics_say_the_breaker_and_the_held_hosts(tmp_path: Path) -> None:
     assert "hsx_selfheal_breaker_open 0" in promtext.render(ledger_mod.empty(), T)
 
 
+def test_a_long_free_text_label_is_clipped_before_it_is_escaped() -> None:
+    """A why/cause is flattened to one line and clipped to 300 characters, then escaped: a clip
+    after escaping could cut an escape in two and leave the label's closing quote escaped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    why = "two\nlines " + "x" * 289 + '"' + "past the clip"  # the quote is the 300th character
+    text = promtext.render(state(breaker={"opened_at": T, "why": why, "cause": "a\\b", "hosts": [], "alerts": []}), T)
+    (sample,) = next(f for f in text_string_to_metric_families(text) if f.name == "hsx_selfheal_breaker_open").samples
+    assert sample.labels["why"] == "two lines " + "x" * 289 + '"' and sample.labels["cause"] == "a\\b"
+    odd = 'h"o\\s\nt'  # what escape_label (fleetbuckets' host labels too) must give back as it was
+    (family,) = text_string_to_metric_families(f'm{{host="{promtext.escape_label(odd)}"}} 1\n')
+    assert family.samples[0].labels["host"] == odd
+
+
 def test_a_host_the_loop_took_over_is_not_acted_on_again() -> None:
     s = state(requests=[{"at": T, "host": "n1", "remedy": "takeover", "alert": "HsxSelfHealNodeDown"}],
               retired={"n1": T - 10})
