@@ -12,7 +12,7 @@ from typing import Any
 
 from extraction.fleet.fleetbuckets import fleet_view, mark_taken_over, prometheus_text, render_view
 from extraction.fleet.fleetstatus import HostStatus, as_json, collect, fleet_total, render
-from extraction.fleet.playbook import REPORTS, OperatorError, chosen_inventory
+from extraction.fleet.playbook import REPORTS, OperatorError, chosen_inventory, playbook_source
 from extraction.fleet.plot import PlotError, plot_history
 from hsx.assignfile import AssignmentFileError, default_path, read_assignment, readable_path
 from hsx.buckets import AssignError, parse_assign
@@ -55,7 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--watch", type=float, metavar="N", help="refresh every N seconds until interrupted")
     p.add_argument("--plot", metavar="FILE.png", help="also draw samples done over time per host")
     p.add_argument(
-        "--report-dir", type=str, default=str(REPORTS), help="runner artifacts go under DIR/.runner"
+        "--report-dir", type=str, default=str(REPORTS),
+        help="runner artifacts go under DIR/.runner (default: %(default)s; reports/ in the checkout hsx runs from, "
+        "installed $XDG_STATE_HOME/hsx/reports, else ~/.local/state/hsx/reports)"
     )
     p.set_defaults(func=run)
 
@@ -184,6 +186,13 @@ def run(args: argparse.Namespace) -> int:
     except OperatorError as e:
         print(f"hsx fleet-status: {e}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        where = playbook_source()  # the checkout, else the installed hsx.recovery: neither, say where it looked
+    except OperatorError as e:
+        print(f"hsx fleet-status: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if where.checkout is None:
+        print(f"hsx fleet-status: module {where.module('extraction_status_info')}: {where.describe()}", file=sys.stderr)
     if args.watch is None:
         return once(args)
     code = EXIT_OK

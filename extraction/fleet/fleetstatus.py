@@ -24,6 +24,7 @@ from extraction.fleet.events import failure_message
 from extraction.fleet.playbook import (
     REPORTS,
     absolute,
+    playbook_source,
     private_data_dir,
     prune_artifacts,
     runner_env,
@@ -223,8 +224,9 @@ def collect(
 ) -> tuple[list[HostStatus], Any]:
     """One ad-hoc run of extraction_status_info over the fleet (plus one slurp of status.json for plots)."""
     collector = StatusCollector()
+    module = playbook_source().module("extraction_status_info")  # the checkout's, else hsx.recovery's (FQCN)
     runner = _adhoc(
-        collector, "extraction_status_info", f"path={OUTPUT_DIR_ARG} buckets=true", inventory, limit, become,
+        collector, module, f"path={OUTPUT_DIR_ARG} buckets=true", inventory, limit, become,
         report_dir,
     )
     if with_history:

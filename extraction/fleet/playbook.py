@@ -1,4 +1,9 @@
-"""Run one of the repository's playbooks through ansible-runner for `hsx recover|provision|rollout-patch`.
+"""Run one of hsx's playbooks through ansible-runner for `hsx recover|takeover|provision|rollout-patch`.
+
+The playbooks come from the checkout hsx runs from, else from the installed collection hsx.recovery by
+FQCN (extraction/fleet/collection.py decides, for these commands and `hsx fleet-status`; neither: exit 2
+naming where it looked). Reports default to the checkout's reports/, installed to
+$XDG_STATE_HOME/hsx/reports (~/.local/state/hsx/reports).
 
 Artifacts (events, stdout) go to `<reports>/.runner/artifacts/<ident>` (0700), idents
 `<UTC stamp>-<kind>-...`; one retention rule, per kind (`prune_artifacts`): the newest KEEP_ARTIFACTS
@@ -23,18 +28,15 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from extraction.fleet.collection import OperatorError, Source, default_reports, is_checkout, locate
 from extraction.fleet.events import FleetProgress, make_display
 from hsx.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
-REPO = Path(__file__).resolve().parents[2]
-REPORTS = REPO / "reports"
+REPO = Path(__file__).resolve().parents[2]  # the checkout, when hsx runs from one (collection.is_checkout)
+REPORTS = default_reports(REPO)  # REPO/reports, or installed: $XDG_STATE_HOME/hsx/reports
 LAB_INVENTORY = REPO / "inventory" / "lab"  # ansible.cfg's default: the test lab's, never a fallback of hsx
 KEEP_ARTIFACTS = 10
 EXTRA_VARS_FLAGS = ("-e", "--extra-vars")
-
-
-class OperatorError(RuntimeError):
-    """Bad input or a missing piece; the message names what and where (exit 2)."""
 
 
 def add_playbook_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +64,8 @@ def add_playbook_arguments(p: argparse.ArgumentParser) -> None:
         "--report-dir",
         type=Path,
         metavar="DIR",
-        help=f"where reports (and runner artifacts under .runner/) go (default: {REPORTS})",
+        help=f"where reports (and runner artifacts under .runner/) go (default: {REPORTS}; reports/ in the checkout "
+        "hsx runs from, installed $XDG_STATE_HOME/hsx/reports, else ~/.local/state/hsx/reports)",
     )
 
 
@@ -75,6 +78,9 @@ def chosen_inventory(given: list[str] | None, command: str, err: TextIO | None =
     else:
         chosen = [absolute(i.strip()) for i in os.environ.get("ANSIBLE_INVENTORY", "").split(",") if i.strip()]
         source = "ANSIBLE_INVENTORY"
+    if not chosen and not is_checkout(REPO):
+        raise OperatorError("no inventory given: name the one to act on with -i INVENTORY (or set ANSIBLE_INVENTORY). "
+                            "Nothing was run")
     if not chosen:
         raise OperatorError(
             "no inventory given: name the one to act on with -i INVENTORY (or set ANSIBLE_INVENTORY). "
@@ -86,17 +92,16 @@ def chosen_inventory(given: list[str] | None, command: str, err: TextIO | None =
     return chosen
 
 
-def runner_env() -> dict[str, str]:
-    """What ansible-playbook needs to find our config, modules and the `hsx` next to this Python."""
-    bin_dir = str(Path(sys.executable).parent)
-    return {
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_LIBRARY": str(REPO / "library"),
-        "ANSIBLE_MODULE_UTILS": str(REPO / "module_utils"),
-        "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
-        "ANSIBLE_NOCOLOR": "1",
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
+def playbook_source(playbook: str | None = None) -> Source:
+    """Where the playbooks (and modules) come from: the checkout REPO, else the installed hsx.recovery
+    (collection.locate; OperatorError when neither has `playbook`)."""
+    return locate(REPO, playbook)
+
+
+def runner_env(where: Source | None = None) -> dict[str, str]:
+    """What ansible-playbook needs to find our config, content and the `hsx` next to this Python
+    (`where`: playbook_source() when not given)."""
+    return (where or playbook_source()).env()
 
 
 def scrub_artifacts(artifact_dir: str | os.PathLike) -> None:
@@ -173,19 +178,21 @@ def private_data_dir(report_dir: Path) -> Path:
 
 
 def run_playbook(args: argparse.Namespace, playbook: str, title: str, out: TextIO = sys.stdout) -> int:
-    """Run `playbooks/<playbook>`, show progress, print its report; exit 0 ok, 1 a host failed, 2 usage."""
+    """Run `playbooks/<playbook>` (the checkout's, else the installed collection's by FQCN), show progress,
+    print its report; exit 0 ok, 1 a host failed, 2 usage (or no playbook: where it was looked for)."""
     import ansible_runner
 
-    path = REPO / "playbooks" / playbook
-    if not path.is_file():
-        print(
-            f"hsx: {path.relative_to(REPO)} does not exist: this checkout has no {title} playbook yet",
-            file=sys.stderr,
-        )
+    try:
+        where = playbook_source(playbook)
+    except OperatorError as e:
+        print(f"hsx {title}: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if where.checkout is None:
+        print(f"hsx {title}: playbook {where.playbook(playbook)}: {where.describe()}", file=sys.stderr)
     report_dir = (args.report_dir or REPORTS).resolve()
     extra = list(args.extra_vars or [])
-    if args.report_dir:
+    # Installed, always: the playbooks' own default (playbook_dir/../reports) lies inside the collection.
+    if args.report_dir or where.checkout is None:
         extra.append(json.dumps({"hsx_report_dir": str(report_dir)}))
     args.extra_vars = extra
     progress = FleetProgress()
@@ -197,13 +204,13 @@ def run_playbook(args: argparse.Namespace, playbook: str, title: str, out: TextI
     try:
         runner = ansible_runner.run(
             private_data_dir=str(pdd),
-            project_dir=str(REPO),
-            playbook=str(path),
+            project_dir=str(where.project_dir()),
+            playbook=where.playbook(playbook),
             inventory=[absolute(i) for i in args.inventory] if args.inventory else None,
             limit=args.limit,
             tags=args.tags,
             cmdline=cmdline_for(args) or None,
-            envvars=runner_env(),
+            envvars=where.env(),
             ident=ident,
             rotate_artifacts=0,  # ours, per kind (prune_artifacts below)
             suppress_env_files=True,
