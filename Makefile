@@ -60,7 +60,8 @@ molecule: lab-ensure sglang-cpu
 integration: lab-ensure
 	$(BIN)/pytest tests/integration -q
 
-# lint + unit + molecule + integration; the lab is always torn down, also on failure. sglang-cpu: the
+# lint + unit + molecule + integration as stages on four workers (tests/stages.py); every lab is always
+# torn down, also on failure. sglang-cpu: the
 # molecule scenario sglang_server runs the released SGLang from its venv (once per machine).
 test: lab-ensure sglang-cpu
 	tests/run_all.sh

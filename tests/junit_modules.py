@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Seconds per test module from a pytest JUnit file (setup, call and teardown together), the
-slowest first: where a lane's time goes (tests/run_all.sh prints it for the pytest lane).
+slowest first: where a stage's time goes (tests/stages.py prints it for each unit shard).
 
     junit_modules.py FILE.xml [--top N]
 """
