@@ -387,6 +387,7 @@ class _DeviceLike(SharedBackend):
     def __init__(self, inner: HFBackend):
         super().__init__(inner)
         self.landed = {"ring": 0, "own": 0}
+        self.overflowed = threading.Event()
 
     def extract_async(self, samples, host_empty=None):
         from extraction.backends.base import SampleStates
@@ -399,6 +400,8 @@ class _DeviceLike(SharedBackend):
             else None
         )
         self.landed["own" if bufs is None else "ring"] += 1
+        if bufs is None:
+            self.overflowed.set()
         if bufs is not None:
             bufs[0].copy_(final)
             bufs[1].copy_(aux)
@@ -408,7 +411,10 @@ class _DeviceLike(SharedBackend):
             for row, (s, n) in enumerate(zip(samples, lengths, strict=True))
         ]
         pending = PendingStates(results, None)
-        pending.wait = lambda: (time.sleep(0.1), results)[1]  # the courier waits: batches pile up unsent
+        # The courier waits until the ring has overflowed once (batches pile up unsent): a fixed sleep
+        # did not, on a loaded machine whose forward was slower than the sleep ({'ring': 8, 'own': 0}).
+        # Bounded: a ring that never overflows ends the wait and fails the test's count, not the run.
+        pending.wait = lambda: (self.overflowed.wait(10), results)[1]
         return pending
 
 
