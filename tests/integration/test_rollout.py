@@ -1,6 +1,6 @@
-"""playbooks/provision.yml, then playbooks/rollout_patch.yml, on 3 real lab hosts running the sglang backend.
+"""playbooks/provision.yml, then playbooks/rollout_patch.yml, on 2 real lab hosts running the sglang backend.
 
-One lab for the module: 3 bare hosts get what a real node has before we touch it - a real SGLang
+One lab for the module: 2 bare hosts get what a real node has before we touch it - a real SGLang
 release (its files, no dependencies), the model and the dataset (tests/plays/plant_sglang.yml).
 
 Provisioning, an operator's (issue #39 item 5: an unprivileged control-node
@@ -13,7 +13,7 @@ the server); nothing under the account's home is root's after either.
 
 Then the rollout, in order: --check (the plan, nothing changes); a normal rollout v2 -> v3 (the
 operator's, as above); a v4 whose canary fails (no other host touched); a v4 that fails on the second
-batch's host (reverted to v3; the canary keeps v4; the rest untouched).
+batch's host (reverted to v3; the canary keeps v4).
 
 New versions are revisions of the project's patch (module_utils/hsx/sglang_patch.py, imported) whose
 init block fails on hosts holding /etc/hsx-test/fail-v<N> - a deliberately broken version there.
@@ -32,7 +32,10 @@ from labctl import lab, lab_ssh, playbook
 
 from hsx.sglang_patch import SGLANG_DUMP_PATCH
 
-HOSTS = [lab_host(i) for i in range(1, 4)]  # the default serial [1, "25%", "100%"]: three batches of one
+# The default serial [1, "25%", "100%"]: two batches of one, the canary and the rest. A third host (a third
+# batch, untouched when the second fails) cost ~230 CPU-s of make test: that a failed batch stops the
+# rollout before the next is the failed canary's case (the second host untouched).
+HOSTS = [lab_host(i) for i in range(1, 3)]
 LAB_VARS = "@tests/plays/files/sglang_lab.yml"
 PATCHED = "/opt/sglang/venv/lib/python3.11/site-packages/sglang/srt/models/deepseek_v2.py"
 HSX = "/opt/hsx/venv/bin/hsx"
@@ -208,7 +211,7 @@ def test_normal_rollout_updates_every_host_and_resumes_the_jobs(fleet, operator)
     owned = operator.owned_by_root()
     assert run.rc == 0, run.output[-4000:]
     assert not owned, owned[:20]
-    assert f"Batch 2 (2 hosts): {HOSTS[1]} v2 -> v3" in run.output
+    assert f"Batch 2 (1 hosts): {HOSTS[1]} v2 -> v3" in run.output
     for h in HOSTS:
         after = state(h)
         assert after["file"] == after["server"] == "3", (h, after)
@@ -257,13 +260,7 @@ def test_failure_in_the_second_batch_stops_the_rollout(fleet):
     assert first["file"] == first["server"] == "4" and first["state"] == "running", (first, run.output[-3000:])
     assert second["file"] == second["server"] == prev and second["state"] == "running", (second, run.output[-3000:])
     assert second["server_id"] != before[HOSTS[1]]["server_id"], "the failed host's server was not restarted"
-    for h in HOSTS[2:]:
-        after = state(h)
-        assert (after["file"], after["server_id"], after["job_id"], after["mtime"]) == \
-               (before[h]["file"], before[h]["server_id"], before[h]["job_id"], before[h]["mtime"]), h
     assert f"- {HOSTS[0]}: runs v4 (updated; was v{prev}, target v4)" in summary
     assert f"- {HOSTS[1]}: runs v{prev} (reverted to v{prev}; was v{prev}, target v4)" in summary
-    for h in HOSTS[2:]:
-        assert f"- {h}: runs v{prev} (not touched (rollout stopped: {HOSTS[1]} failed in batch 2)" in summary
     assert f"The rollout stopped: {HOSTS[1]} failed in batch 2." in summary
     assert hosts[HOSTS[1]]["failed_step"] == "server"
