@@ -99,8 +99,9 @@ def stages() -> list[Stage]:
         *unit,
         pytest_stage(integration + "test_job_unit.py", 200),
         molecule_stage(200, "assess", "gpu_reclaim", "sglang_patch", "shard_verify"),
-        Stage("collection: ansible-test sanity, then its tarball", ("sh", "-c", "tools/collection/sanity.sh && "
-              f"{BIN / 'pytest'} {integration}test_collection.py -q -p no:cacheprovider --durations=5"), 160),
+        Stage("collection: ansible-test sanity, then its tarball", ("sh", "-c", "tools/collection/sanity.sh; a=$?; "
+              f"{BIN / 'pytest'} {integration}test_collection.py -q -p no:cacheprovider --durations=5; b=$?; "
+              '[ "$a" -eq 0 ] && [ "$b" -eq 0 ]'), 160),
         pytest_stage(integration + "test_monitoring.py", 100),
         Stage("lint: ansible-lint (production profile)", (str(BIN / "ansible-lint"), "--profile", "production", "-q"), 60),
         Stage("lint: ruff", (str(BIN / "ruff"), "check", "."), 3),
