@@ -239,9 +239,12 @@ class _Piece:
         self.finite = finite
 
     def all_finite(self) -> bool:
-        """No NaN/Inf in the piece's states (the header's FINITE_FIELD)."""
-        rows = self.finite if self.finite is not None else fmt.rows_finite(self.hidden, self.aux)
-        return bool(rows.all())
+        """No NaN/Inf in the piece's states (the header's FINITE_FIELD): the rows' flags computed on
+        the GPU, or (CPU path) the values checked here, in the writer thread, on the very bytes it
+        writes next (fmt.states_finite)."""
+        if self.finite is not None:
+            return bool(self.finite.all())
+        return fmt.states_finite(self.hidden, self.aux)
 
 
 class _Pass:
