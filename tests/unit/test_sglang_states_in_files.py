@@ -1,10 +1,11 @@
 """States stay in the dump files and go into the shard from there (#38's way back, #49 item 6).
 
 The client never reads the states into memory (nor maps them): they are FileBytes over the dump's
-descriptor, copied into the shard by the writer through a small buffer, CRC32 taken and every
-value checked for NaN/Inf on the way (extraction/shards/filebytes.py); the hook's header field
-(hsx_dump_format.FINITE_FIELD) only refuses early. Real dump files written by the hook's own
-writer, real shards, read back by `hsx verify`.
+descriptor, copied into the shard by the writer through a small buffer, CRC32 taken on the way
+(extraction/shards/filebytes.py). NaN/Inf (extraction/sglang/dump_states.py): the hook's header
+field (hsx_dump_format.FINITE_FIELD) is taken as said, `false` refused, and a header without it
+has every value checked as it is copied. Real dump files written by the hook's own writer, real
+shards, read back by `hsx verify`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pytest
 import torch
 from shard_helpers import H, K, manifest
 
-from extraction.sglang import dumps, hook, hsx_dump_format
+from extraction.publish.publisher import Item
+from extraction.sglang import dump_memory, dumps, hook, hsx_dump_format
 from extraction.shards import ShardWriter
 from extraction.shards.filebytes import FileBytes, NonFiniteBytes, first_nonfinite, in_memory
 from extraction.shards.verify import verify_output
@@ -99,10 +101,14 @@ def test_states_left_in_the_files_give_the_pread_paths_shard_byte_for_byte(tmp_p
     assert report.ok == 1 and not report.bad
 
 
-def test_a_dump_that_shrinks_fails_its_sample_only_and_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("claim", [True, None], ids=["finite", "no-claim"])
+def test_a_dump_that_shrinks_fails_its_sample_only_and_leaves_nothing(tmp_path, claim):
+    """A short count under the copy (pread: no SIGBUS) is the sample's DumpError, on the copy the
+    hook's claim leaves unchecked as on the checked one."""
     (tmp_path / "dumps").mkdir()
-    _dump(tmp_path / "dumps", [(0, 9)], finite=True)
+    _dump(tmp_path / "dumps", [(0, 9)], **({} if claim is None else {"finite": claim}))
     kept = dumps.read_request(str(tmp_path / "dumps"), RID, expected_len=9, states_in_files=True)
+    assert kept.aux_hidden_state.check is (claim is None)
     path = tmp_path / "dumps" / hsx_dump_format.dump_name(RID, 0)
     os.truncate(path, path.stat().st_size - 100)  # someone shortens it under the client
     writer = ShardWriter(tmp_path / "out", manifest(), check_finite=False)
@@ -123,19 +129,21 @@ def _plant(path, at: int, value: bytes = b"\xc0\x7f") -> None:
 
 
 @pytest.mark.parametrize("value", [b"\xc0\x7f", b"\x80\x7f", b"\x80\xff"], ids=["nan", "inf", "-inf"])
-def test_a_finite_claim_is_checked_on_the_bytes_as_they_are_copied(tmp_path, value):
-    """The client does not take the header's word (docs/sglang_hook.md, "NaN/Inf: who checks
-    what"): a NaN/Inf under `finite: true` (a hook bug, a file changed after it was written) is
-    found in the copy, the sample refused as a NaN always was (ShardDataError naming the tensor,
-    the dump file and the byte), nothing of its shard left; the next sample is written as ever."""
+def test_without_the_hooks_claim_every_value_is_checked_as_it_is_copied(tmp_path, value):
+    """A header without `finite` (a hook deployed before 2026-12-06) claims nothing: every value is
+    checked as it is copied (extraction/sglang/dump_states.py), a NaN/Inf refused as a NaN always
+    was (ShardDataError naming the tensor, the dump file and the byte), nothing of its shard left;
+    the next sample is written as ever."""
     (tmp_path / "dumps").mkdir()
-    _dump(tmp_path / "dumps", [(0, 6)], finite=True)
+    _dump(tmp_path / "dumps", [(0, 6)])
     path = tmp_path / "dumps" / hsx_dump_format.dump_name(RID, 0)
     record = dumps._load(str(path), RID, states_in_files=True)
     at = record["aux_hidden_state"].spans[0][1] + 2 * (6 * H * K - 1)  # its very last value
     _plant(path, at, value)
     kept = dumps.read_request(str(tmp_path / "dumps"), RID, expected_len=6, states_in_files=True)
-    assert kept.finite is True and isinstance(kept.aux_hidden_state, FileBytes)
+    assert (
+        kept.finite is True and isinstance(kept.aux_hidden_state, FileBytes) and kept.aux_hidden_state.check
+    )
     writer = ShardWriter(tmp_path / "out", manifest(), check_finite=False)
     ones = torch.ones_like(kept.input_ids)
     want = rf"sample 's0': {KEY_AUX} has NaN or Inf values: {path}: a NaN or Inf bfloat16 value at byte {at}$"
@@ -149,12 +157,28 @@ def test_a_finite_claim_is_checked_on_the_bytes_as_they_are_copied(tmp_path, val
     assert list(read_index(str(tmp_path / "out")).entries) == ["s1"]
 
 
+def test_the_hooks_finite_claim_is_taken_and_deep_verify_still_checks_the_values(tmp_path):
+    """`finite: true` is the hook's check, made where the states are, on the bytes it writes: the
+    client copies those states unchecked (dump_states.py says why that is safe). Were the claim
+    wrong (a bug in the hook; nobody outside the server's account can rewrite a dump: here the
+    test does), the NaN is still not unnoticed: `hsx verify --level deep` refuses the shard."""
+    (tmp_path / "dumps").mkdir()
+    _dump(tmp_path / "dumps", [(0, 6)], finite=True)
+    path = tmp_path / "dumps" / hsx_dump_format.dump_name(RID, 0)
+    kept = dumps.read_request(str(tmp_path / "dumps"), RID, expected_len=6, states_in_files=True)
+    assert kept.finite is True and not kept.hidden_state.check and not kept.aux_hidden_state.check
+    _plant(path, kept.hidden_state.spans[0][1] + 2 * 7)  # after the hook's check, behind its back
+    _publish(tmp_path / "out", "s0", kept)
+    report = verify_output(str(tmp_path / "out"), "deep")
+    assert report.ok == 0 and "has NaN or Inf values" in str(report.bad)
+
+
 def test_no_claim_is_checked_the_same_a_false_one_is_read_and_refused(tmp_path):
     """A header without the field (a hook deployed before 2026-12-06) leaves the states in the
     files too, checked as they are copied: the same shard as from memory, and its NaN refused
     when the states go through memory instead (a run in another dtype: the writer reads them).
-    `false` (the hook found a NaN/Inf) is read into memory, `finite` None: the publisher's
-    check refuses it. Anything but a boolean is a DumpError."""
+    `false` (the hook found a NaN/Inf) is read into memory, `finite` False: the publisher refuses
+    it on that word. Anything but a boolean is a DumpError."""
     (tmp_path / "dnone").mkdir()
     _dump(tmp_path / "dnone", [(0, 6)])
     kept = dumps.read_request(str(tmp_path / "dnone"), RID, expected_len=6, states_in_files=True)
@@ -172,7 +196,16 @@ def test_no_claim_is_checked_the_same_a_false_one_is_read_and_refused(tmp_path):
     (tmp_path / "dfalse").mkdir()
     _dump(tmp_path / "dfalse", [(0, 6)], finite=False)
     got = dumps.read_request(str(tmp_path / "dfalse"), RID, states_in_files=True)
-    assert got.finite is None and isinstance(got.hidden_state, torch.Tensor)
+    assert got.finite is False and isinstance(got.hidden_state, torch.Tensor)
+    item = Item(
+        "s0",
+        got.input_ids,
+        torch.ones_like(got.input_ids),
+        got.hidden_state,
+        got.aux_hidden_state,
+        got.finite,
+    )
+    assert item.nonfinite() == f"{KEY_HIDDEN} or {KEY_AUX}"  # refused on the hook's word alone
     (tmp_path / "dyes").mkdir()
     _dump(tmp_path / "dyes", [(0, 6)], finite="yes")
     with pytest.raises(dumps.DumpError, match=r"'finite' is 'yes', not true or false"):
@@ -219,6 +252,16 @@ def test_the_hook_records_what_it_found(tmp_path, bad):
     assert dumps._load(str(tmp_path / hsx_dump_format.dump_name("clean", 0)), "clean")["finite"] is True
     assert dumps._load(str(tmp_path / hsx_dump_format.dump_name("dirty", 0)), "dirty")["finite"] is False
     assert hsx_dump_format.rows_finite(hidden, dirty_parts).tolist() == [True, True, True, False]
+    got = dumps.read_request(str(tmp_path), "dirty", expected_len=4, states_in_files=True)
+    item = Item(
+        "s0",
+        got.input_ids,
+        torch.ones_like(got.input_ids),
+        got.hidden_state,
+        got.aux_hidden_state,
+        got.finite,
+    )
+    assert item.nonfinite() == KEY_AUX  # the client's publisher refuses the sample, naming the tensor
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # a second close: EBADF
@@ -234,7 +277,7 @@ def test_a_piece_that_fails_after_its_header_closes_its_descriptor_once(tmp_path
     def failing_read(path, fd, specs, size):
         raise dumps.DumpError(f"{path}: unreadable dump: [Errno 5] Input/output error")
 
-    monkeypatch.setattr(dumps, "_read_tensors", failing_read)
+    monkeypatch.setattr(dump_memory, "read_tensors", failing_read)
     with pytest.raises(dumps.DumpError, match="Input/output error"):
         dumps.read_request(str(tmp_path / "dumps"), RID, expected_len=4, states_in_files=True)
     victim = os.open(tmp_path / "victim", os.O_CREAT | os.O_WRONLY, 0o600)  # most likely the freed number
