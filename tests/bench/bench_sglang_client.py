@@ -29,6 +29,9 @@ cache is a cost it does not pay). Printed per round and as median [min - max]:
                      and dd's (the one after): what the path costs where the CPUs are shared
   disk busy          the output's block device busy (/proc/diskstats io_ticks) / wall time, during
                      the client's run and during the dd's: below 1 the disk waited on its writer
+  publish busy       the client's publisher writing shards (the runner's writer_publish_s) / the
+                     client's time: near 1 the shard writer bounds the client (a copy and its
+                     O_DIRECT writes, one after the other), well below it the server's dumps do
 
     .venv/bin/python tests/bench/bench_sglang_client.py [--rounds 3] [--samples 12] [--tokens 3700]
         [--concurrency 8] [--forward-us 0] [--chunk 8192] [--dump-dir DIR] [--dir DIR]
@@ -229,6 +232,7 @@ def one_round(model: Path, dataset: Path, work: Path, dump_dir: str, shard_bytes
         "ratio": nbytes / 2**20 / seconds / dd_mean,
         "disk_per_byte": (s1 - s0) * 512 / nbytes,
         "disk_busy": disk_busy,
+        "publish_busy": tm.get("writer_publish_s", 0.0) / seconds,
         "dd_busy": sum(DD_BUSY[-2:]) / 2,
         "idle": stats["idle_s"] / span,
         "hook_us": stats["hook_s"] / max(1, stats["tokens"]) * 1e6,
@@ -278,7 +282,7 @@ def main() -> int:
                 f"{row['device']} wrote {row['disk_per_byte']:.3f} B/shard B | server idle {row['idle']:.3f} | "
                 f"hook {row['hook_us']:.3f} us/token | CPU s/GiB client {row['client_cpu']:.2f} server "
                 f"{row['server_cpu']:.2f} dd {row['dd_cpu']:.2f} | disk busy client {row['disk_busy']:.2f} dd "
-                f"{row['dd_busy']:.2f} | load {os.getloadavg()[0]:.1f}", flush=True
+                f"{row['dd_busy']:.2f} | publish busy {row['publish_busy']:.2f} | load {os.getloadavg()[0]:.1f}", flush=True
             )
         print(f"over {len(rows)} rounds: median [min - max]")
         for key, label, fmt in (
@@ -293,6 +297,7 @@ def main() -> int:
             ("dd_cpu", "dd CPU s/GiB", "{:.2f}"),
             ("disk_busy", "output disk busy (io_ticks) during the client's run", "{:.2f}"),
             ("dd_busy", "output disk busy during the dd's", "{:.2f}"),
+            ("publish_busy", "client publishing shards / client time", "{:.2f}"),
         ):
             vals = [row[key] for row in rows]
             print(f"  {label:52s} {fmt.format(statistics.median(vals))} [{fmt.format(min(vals))} - {fmt.format(max(vals))}]")
