@@ -10,10 +10,11 @@ batch (extraction/runner/stream.py); `extract(samples)` runs a list at once (tes
 
 A dump is never mapped (a dump that shrinks or a disk read error fails that sample, not the
 client) and its file is unlinked once read. The states are not read here at all: they are
-FileBytes over the dump's open descriptors, copied into the shard as it is written, every value
-checked for NaN/Inf on the way (extraction/shards/filebytes.py: the client takes no header's word
-for it); only where the hook's header says it found a NaN/Inf (format 2's `finite` false) or the
-dump is format 1 are they read into memory of ours (pread; the publisher refuses the NaN) and a
+FileBytes over the dump's open descriptors, copied into the shard as it is written; NaN/Inf as
+extraction/sglang/dump_states.py decides from the hook's `finite` (true: copied unchecked, the hook
+computed it on the bytes it wrote; no field: every value checked in the copy); only where the header
+says it found a NaN/Inf (`finite` false) or the dump is format 1 are they read into memory of ours
+(pread; the publisher refuses the NaN) and a
 request chunked prefill cut into pieces is joined with one copy more (torch.cat).
 
 The reply to POST /generate has a deadline for the whole of it (`reply_deadline`, default
@@ -387,7 +388,7 @@ class SGLangBackend:
             input_ids=sample.input_ids,
             hidden_state=dump.hidden_state,
             aux_hidden_state=dump.aux_hidden_state,
-            finite=dump.finite,  # True: FileBytes that check their values as they are copied
+            finite=dump.finite,  # as the hook said (extraction/sglang/dump_states.py)
         )
 
     def _attempt(self, ids: list[int], rid: str, sample_id: str) -> dumps.RequestDump:
