@@ -15,7 +15,10 @@ Two lab hosts extract at once, each gets an incident at the same moment:
   "needs a person" alert fires with the stage and the reason, and no further recovery runs.
 The time from the power cut to "extraction making progress" is printed, broken down.
 
-Then the same two hosts fail together (issue #51, "Proven in the lab"), with the loop's production brakes:
+Then (issue #51, "Proven in the lab") a new run on both, and hsxlab-1 comes back from a power cut with its
+model's weights replaced by perturbed ones: the loop's recovery runs the canary, which refuses the node
+(HsxCanaryMismatch names the samples; no shard or index line is written after it). Then the same two hosts
+fail together, with the loop's production brakes:
 the shared storage under both fails at once, then a partition cuts the control node off from both for
 longer than the node-down window. Each time the circuit breaker opens (at most one recovery per host
 before it, no takeover), HsxSelfHealBreakerOpen names the cause; a person brings the storage (or the
@@ -29,6 +32,7 @@ import json
 import os
 import struct
 import subprocess
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -42,6 +46,8 @@ from hsx.index import decode_index_line
 HEALED, BROKEN = host(1), host(2)
 OUTPUT = "/data/hsx/output"
 FAKE_NVML = REPO / "tests" / "fakes" / "nvml"
+FAKE_DCGM = REPO / "tests" / "fakes" / "dcgm"
+DCGMI_CALLS = "/var/log/hsx-fake-dcgmi.calls"
 # A dataset long enough that the job is still extracting when the incident comes.
 DATASET = 2048
 
@@ -80,6 +86,11 @@ def stack(tmp_path_factory):
         lab_push(BROKEN, FAKE_NVML, "/usr/local/lib/python3.11/dist-packages")
         lab_ssh(BROKEN, "echo '[{\"ecc_uncorrected\": 2}]' > /etc/hsx-fake-nvml.json && "
                         "echo HSX_FAKE_NVML=/etc/hsx-fake-nvml.json >> /etc/environment")
+        # DCGM there too (the TEST-ONLY recorded dcgmi, tests/fakes/dcgm: NOT DCGM), its calls logged: the
+        # gate's active check runs only once the passive ones pass (not while the ECC error stands).
+        lab_push(BROKEN, FAKE_DCGM, "/usr/local/lib/hsx-fake-dcgm")
+        lab_ssh(BROKEN, "ln -sf /usr/local/lib/hsx-fake-dcgm/dcgmi /usr/local/bin/dcgmi && "
+                        f"echo HSX_FAKE_DCGMI_LOG={DCGMI_CALLS} >> /etc/environment")
         mod = _lab_module()
         targets = {h: mod.load_host(h).address for h in (HEALED, BROKEN)}
         # Two independent incidents at once on a fleet of two would open the circuit breaker (more than 25%
@@ -143,6 +154,7 @@ def test_incidents_heal_themselves_or_ask_for_a_person(stack) -> None:
         assert not r["ok"] and r["failed_step"] == "gpus" and "uncorrectable ECC" in r["reason"], r
     assert lab_ssh(BROKEN, "systemctl is-active hsx-extraction").stdout.strip() != "active"
     assert sh.alert_state(p, "HsxSelfHealStalled", BROKEN) is None  # left alone now
+    assert lab_ssh(BROKEN, f"cat {DCGMI_CALLS} 2>/dev/null").stdout == ""  # the passive checks failed first
     # recover.yml ran on one host at a time: the healed host's runs never touched the other.
     assert len(sh.runs(reports, HEALED)) <= 2, sh.runs(reports, HEALED)
 
@@ -182,6 +194,80 @@ def test_the_counted_failures_survive_in_the_nodes_textfile(stack) -> None:
 
 
 
+# ---------------------------------------------------------------- a node that computes differently (#51)
+OUTPUT_A = "/data/hsx/correlated"  # the second run of DATASET on both hosts (here and in the correlated failures)
+MODEL = "models/tiny-dsv3"  # under the host's /data (inventory/lab: hsx_model_path)
+
+
+def index_and_shards(h: str, output: str) -> tuple[str, str]:
+    """What `output` holds on `h`: its index's bytes (a digest) and its shard files (names, sizes)."""
+    out = lab_ssh(h, f"sha256sum {output}/index.jsonl; find {output}/shards -type f -printf '%P %s\\n' | sort | sha256sum")
+    digests = out.stdout.split()
+    assert out.returncode == 0 and len(digests) >= 3, out
+    return digests[0], digests[2]
+
+
+def test_a_node_that_computes_differently_is_refused_before_it_writes(stack, tmp_path) -> None:
+    """#51 'Proven in the lab': a node comes back with its model's weights replaced (each times 1 + 1% noise:
+    the same files, names, sizes and config, so the same run fingerprint). The loop's recovery runs the
+    canary before the job: it re-extracts finished samples, gets other states than their shards hold, and the
+    job is not started - nothing more is written - and HsxCanaryMismatch names the samples. The person's
+    fix (the weights back) comes with the correlated failures' new run below, which starts both again."""
+    sys.path.insert(0, str(REPO / "tests" / "unit"))
+    from test_canary import perturb_weights  # the same perturbation the role's unit test refuses
+
+    running, reports = stack
+    p = running.prometheus
+    # A new run on both hosts (the person's fix of the held host first: its GPU healthy again), by hand.
+    lab_ssh(BROKEN, "echo '[{}]' > /etc/hsx-fake-nvml.json")
+    lab_vars = running.dir / "lab-vars.yml"
+    data = json.loads(lab_vars.read_text())
+    for h in (HEALED, BROKEN):
+        data["all"]["hosts"][h]["hsx_output_dir"] = OUTPUT_A
+    lab_vars.write_text(json.dumps(data))
+    inv = ["-i", str(REPO / "inventory" / "lab"), "-i", str(lab_vars)]
+    fresh = playbook("recover.yml", *inv, "-e", "extraction_job_restart_sec=2")
+    assert fresh.rc == 0, fresh.output[-4000:]
+    # #51 item 4 on a real host: with its GPU healthy the gate ran DCGM's diagnostic (level 1, JSON) and passed.
+    calls = lab_ssh(BROKEN, f"cat {DCGMI_CALLS}").stdout.splitlines()
+    assert calls and set(calls) == {"diag -r 1 -j"}, calls
+    wait_for(lambda: (status(HEALED, OUTPUT_A).get("done") or 0) >= 128, 300, f"{HEALED} to finish a few buckets")
+
+    # The incident: the weights replaced under the running job (on the control node's side of its /data),
+    # its job kept from starting at boot, the power cut.
+    model = _lab_module().load_host(HEALED).dir / "data" / MODEL
+    kept = tmp_path / "weights"
+    kept.mkdir()
+    for f in model.glob("*.safetensors"):
+        (kept / f.name).write_bytes(f.read_bytes())
+    lab_ssh(HEALED, "systemctl disable hsx-extraction")
+    owners = {f: f.stat() for f in model.glob("*.safetensors")}
+    perturb_weights(model)
+    for f, st in owners.items():  # the files rewritten, their owner and mode as the node had them (the job reads them)
+        os.chown(f, st.st_uid, st.st_gid)
+        os.chmod(f, st.st_mode & 0o7777)
+    power_cycle(HEALED)
+    before = index_and_shards(HEALED, OUTPUT_A)  # the job is dead: nothing writes now
+    failed_before = len([r for r in sh.runs(reports, HEALED) if not r.get("ok")])
+
+    # Only observation from here.
+    mismatch = wait_for(lambda: (a := sh.alert_state(p, "HsxCanaryMismatch", HEALED)) and a["state"] == "firing" and a,
+                        420, f"HsxCanaryMismatch to fire for {HEALED} (rulebook log: {running.rulebook_log})")
+    refused = [r for r in sh.runs(reports, HEALED) if not r.get("ok")]
+    assert len(refused) == failed_before + 1 and refused[-1]["failed_step"] == "canary", refused[-1:]
+    samples = mismatch["labels"]["samples"]
+    assert samples and all(sid.strip() in refused[-1]["reason"] for sid in samples.split(",")), (samples, refused[-1])
+    print(f"\ncanary refused {HEALED}: samples {samples}, relative error up to {mismatch['value']}")
+    assert lab_ssh(HEALED, "systemctl is-active hsx-extraction").stdout.strip() != "active"
+    time.sleep(sh.REPEAT_S)  # the alert repeats: the loop must not try again, and the job stays stopped
+    assert index_and_shards(HEALED, OUTPUT_A) == before, "shards or index lines written after the canary refused"
+    assert len([r for r in sh.runs(reports, HEALED) if not r.get("ok")]) == len(refused)
+
+    # The person's fix: the weights back (the correlated failures' recover.yml by hand resumes the node).
+    for f in kept.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+
+
 # ---------------------------------------------------------------- correlated failures (issue #51)
 # The same two hosts, now a fleet whose failures come together: the loop with its production brakes
 # (the breaker: more than 25% and at least 2 nodes), the node-down window shortened, and the loop's own
@@ -192,7 +278,6 @@ def test_the_counted_failures_survive_in_the_nodes_textfile(stack) -> None:
 # storage back, `hsx selfheal resume`) are the operator's, as the alert's action says.
 EXT4_IOC_SHUTDOWN, EXT4_GOING_FLAGS_LOGFLUSH = 0x8004587D, 1  # <linux/ext4.h>: _IOR('X', 125, __u32)
 NODE_DOWN_S = 10
-OUTPUT_A = "/data/hsx/correlated"
 
 
 def storage_fails(h: str) -> None:
@@ -233,8 +318,6 @@ def selfheal(d: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=REPO, timeout=60)
 
 
-@pytest.mark.skipif(os.environ.get("HSX_LAB_CORRELATED") != "1",
-                    reason="not yet in make test (its cost is not bought back): HSX_LAB_CORRELATED=1 runs it")
 def test_correlated_failures_stop_the_loop_until_a_person_resumes(stack, tmp_path) -> None:
     running, _ = stack
     running.stop()  # the loop of the independent incidents above (its breaker needs 3 nodes)
