@@ -30,7 +30,9 @@ description:
       more (module_utils C(hsx.fleetplan)).
     - O(reported) is recorded beside O(path) (C(finished.json), what each host last reported finished, checked when
       read, written atomically, module_utils C(hsx.finishedrecord)); C(hsx fleet-status) records there too. A record
-      that cannot be read or believed fails the task, naming it (never read as nothing finished).
+      that cannot be read or believed fails the task, naming it (never read as nothing finished). Without
+      O(takeover) and O(rebalance) it is only recorded (a recovery's read, roles/extraction_job); the assignment is
+      read as always.
     - With O(rebalance) hosts of O(hosts) the file does not name are added, taking only buckets no node has
       started (not in O(started)); without it such a host fails the task, so an inventory typo never moves work.
       The retired hosts of O(hosts) whose outputs were read (O(answered)) return the same way (no longer retired;
@@ -91,6 +93,11 @@ options:
               answered if and only if it is here (its buckets then come from here, not O(finished)); without
               O(reported) it counts as answered with O(finished) and nothing is parked.
         type: dict
+    reported_by:
+        description:
+            - Who read O(reported), kept with each host's entry in the record (C(hsx fleet-status) says it beside
+              parked buckets). Default V(takeover) with O(takeover), else V(rebalance).
+        type: str
     disk_lost:
         description:
             - With O(takeover), the host's disk is gone (C(hsx takeover HOST --disk-lost)); nothing stays with it,
@@ -185,6 +192,16 @@ parked:
         - Host -> the buckets parked on it (a range list), taken over while it did not answer; they are not redone
           unless released (O(disk_lost), O(park_window)).
     type: dict
+    returned: success
+recorded:
+    description:
+        - Host -> the buckets (a range list) recorded beside O(path) as what it reported finished, from O(reported);
+          in check mode, what would be recorded (nothing is written). Empty without O(reported).
+    type: dict
+    returned: success
+record_path:
+    description: Where what the hosts reported finished is recorded (C(finished.json) beside O(path)).
+    type: str
     returned: success
 migrated_from:
     description: The old place the file was moved from in this run (see the description), or null.
@@ -376,12 +393,14 @@ def _takeover(
     return new, changed, {h: format_ranges(b) for h, b in moves.items()}
 
 
-def _record(path: str, buckets: int, reported: dict[str, str] | None, by: str) -> None:
-    """What the hosts that answered reported finished, recorded beside the assignment (hsx.finishedrecord)."""
-    if reported:
-        sets = {h: _spec_set(str(spec or ""), buckets, f"reported finished buckets of {h}")
-                for h, spec in reported.items()}
+def _record(path: str, buckets: int, reported: dict[str, str] | None, by: str, check_mode: bool) -> dict[str, str]:
+    """What the hosts that answered reported finished, recorded beside the assignment (hsx.finishedrecord);
+    host -> its buckets as recorded (a range list). Check mode checks them and writes nothing."""
+    sets = {h: _spec_set(str(spec or ""), buckets, f"reported finished buckets of {h}")
+            for h, spec in (reported or {}).items()}
+    if sets and not check_mode:
         update_record(record_path(path), buckets, sets, by, _now())
+    return {h: format_ranges(b) for h, b in sorted(sets.items())}
 
 
 def _diff(path: str, before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, str]:
@@ -405,6 +424,7 @@ def main() -> None:
             "started": {"type": "str", "default": ""},
             "answered": {"type": "list", "elements": "str"},
             "reported": {"type": "dict"},
+            "reported_by": {"type": "str"},
             "disk_lost": {"type": "bool", "default": False},
             "park_window": {"type": "int", "default": 86400},
         },
@@ -438,8 +458,8 @@ def main() -> None:
                 p["answered"], seen,
             )
             warnings += said
-        if not module.check_mode:
-            _record(path, assignment["buckets"], p["reported"], "takeover" if p["takeover"] else "rebalance")
+        by = p["reported_by"] or ("takeover" if p["takeover"] else "rebalance")
+        recorded = _record(path, assignment["buckets"], p["reported"], by, module.check_mode)
     except AssignmentFileError as e:
         module.fail_json(msg=str(e), path=path)
     for w in warnings:
@@ -451,6 +471,8 @@ def main() -> None:
         changed=changed or bool(migrated),
         path=os.path.abspath(p["path"]),
         migrated_from=migrated,
+        recorded=recorded,
+        record_path=record_path(os.path.abspath(p["path"])),
         assignment=assignment["hosts"],
         buckets=assignment["buckets"],
         created=assignment["created"],
