@@ -106,8 +106,10 @@ options:
         default: false
     park_window:
         description:
-            - With O(takeover), seconds a host that does not answer keeps its parked buckets; a takeover of it after
-              that moves them (playbooks/takeover.yml C(hsx_takeover_park_window)).
+            - With O(takeover), seconds a host that does not answer keeps the buckets parked on it now; a takeover of
+              it after that moves them (playbooks/takeover.yml C(hsx_takeover_park_window)). Kept with them in the
+              file (C(window_s)), a later takeover releases them by that window, not by its own, and C(hsx
+              fleet-status --prom) exports it (C(hsx_fleet_parked_window_seconds), alert C(HsxParkedPastWindow)).
         type: int
         default: 86400
     answered:
@@ -235,7 +237,7 @@ from ansible.module_utils.hsx.buckets import (
     parse_assign,
 )
 from ansible.module_utils.hsx.finishedrecord import read_record, record_path, update_record
-from ansible.module_utils.hsx.fleetplan import plan_rebalance, plan_takeover
+from ansible.module_utils.hsx.fleetplan import DEFAULT_PARK_WINDOW_S, plan_rebalance, plan_takeover
 
 
 def _now() -> str:
@@ -426,7 +428,7 @@ def main() -> None:
             "reported": {"type": "dict"},
             "reported_by": {"type": "str"},
             "disk_lost": {"type": "bool", "default": False},
-            "park_window": {"type": "int", "default": 86400},
+            "park_window": {"type": "int", "default": DEFAULT_PARK_WINDOW_S},
         },
         supports_check_mode=True,
     )

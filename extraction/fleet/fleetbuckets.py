@@ -22,8 +22,9 @@ Contract (`fleet_view(hosts, assignment)`):
   in buckets it does not own (taken over from it, or earlier work).
 - Parked buckets (issue #51: a takeover of a host that did not answer left it the buckets it last
   reported finished, the assignment's `parked`): `parked` maps each such host to those of them not
-  done now (its output not read, or no longer holding them), with the park's times and whether the
-  host answered. They count as nothing done until a host's output holds them, so the fleet is not
+  done now (its output not read, or no longer holding them), with the park's times, its window
+  (`window_s`: the entry's, as the takeover that releases them reads it; hsx.fleetplan's default for
+  an entry without one) and whether the host answered. They count as nothing done until a host's output holds them, so the fleet is not
   complete while any is parked; render_view says why and how to release them.
 """
 
@@ -35,6 +36,7 @@ from typing import Any
 
 from extraction.selfheal.promtext import escape_label
 from hsx.buckets import AssignError, format_ranges, parse_assign
+from hsx.fleetplan import DEFAULT_PARK_WINDOW_S
 
 STATES = ("done", "running", "unreachable", "unassigned")
 
@@ -129,7 +131,7 @@ def _pending_parked(
         if pending:
             out[h] = {"buckets": format_ranges(pending), "count": len(pending), "since": entry.get("since"),
                       "reported_at": entry.get("reported_at"), "reported_by": entry.get("reported_by"),
-                      "answered": h in answered}
+                      "window_s": entry.get("window_s", DEFAULT_PARK_WINDOW_S), "answered": h in answered}
     return out
 
 
@@ -140,7 +142,8 @@ def _parked_lines(view: dict[str, Any]) -> list[str]:
         now = ("it answers, but its output does not hold them all now: hsx takeover " + h + " moves what it lacks"
                if p["answered"] else
                f"they count once its output is read again: bring {h} back (it runs nothing), or if its disk is "
-               f"gone redo them now: hsx takeover {h} --disk-lost (a takeover after the park window redoes them)")
+               f"gone redo them now: hsx takeover {h} --disk-lost (a takeover after the park window, "
+               f"{p['window_s']} s from then, redoes them; nothing runs one by itself)")
         lines.append(f"PARKED: {p['count']} bucket(s) {p['buckets']} on {h}, taken over while not answering "
                      f"(parked since {p['since']}; finished there by its {p['reported_by']} report of "
                      f"{p['reported_at']}): {now}")
@@ -283,6 +286,11 @@ def prometheus_text(view: dict[str, Any], hosts: list[Any] | None = None) -> str
     out += ["# HELP hsx_fleet_parked_since_timestamp_seconds When a host's buckets were parked (its park window runs "
             "from here).", "# TYPE hsx_fleet_parked_since_timestamp_seconds gauge"]
     out += [f'hsx_fleet_parked_since_timestamp_seconds{{host="{escape_label(h)}"}} {_epoch_s(p["since"])}'
+            for h, p in view.get("parked", {}).items() if _epoch_s(p["since"]) is not None]
+    out += ["# HELP hsx_fleet_parked_window_seconds How long a host's buckets stay parked from then (its park window, "
+            "as the parking takeover set it); past it a takeover redoes them, but nothing runs one by itself "
+            "(alert HsxParkedPastWindow).", "# TYPE hsx_fleet_parked_window_seconds gauge"]
+    out += [f'hsx_fleet_parked_window_seconds{{host="{escape_label(h)}"}} {p["window_s"]}'
             for h, p in view.get("parked", {}).items() if _epoch_s(p["since"]) is not None]
     return "\n".join(out) + "\n"
 

@@ -11,7 +11,7 @@ The file is pretty JSON a person can read::
                   "kept": "", "moved": {"node-a": "768-1023", "node-c": "512-767"}}]}
 
 (`parked`, only while a retired host that did not answer keeps buckets it last reported finished:
-host -> {buckets, since, reported_at, reported_by}; hsx.fleetplan.)
+host -> {buckets, since, reported_at, reported_by, window_s}; hsx.fleetplan.)
 
 Contract:
 - `read_assignment(path)`: the checked dict (every bucket on exactly one host; a host may own ""),
@@ -122,7 +122,8 @@ def _parse(path: str, raw: bytes) -> dict[str, Any]:
 
 
 def _checked_parked(path: str, parked: Any, assignment: dict[str, Any]) -> dict[str, Any]:
-    """`parked` (host -> {buckets, since, reported_at, reported_by}): a retired host's own buckets only."""
+    """`parked` (host -> {buckets, since, reported_at, reported_by, window_s where given}): a retired host's
+    own buckets only."""
     if not isinstance(parked, dict):
         raise AssignmentFileError(f"{path}: 'parked' must map hosts to their parked buckets; {ASIDE}")
     n = assignment["buckets"]
@@ -132,6 +133,10 @@ def _checked_parked(path: str, parked: Any, assignment: dict[str, Any]) -> dict[
         keys = ("buckets", "since", "reported_at", "reported_by")
         if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) for k in keys):
             raise AssignmentFileError(f"{path}: 'parked' {host!r} needs {', '.join(keys)} (strings); {ASIDE}")
+        window = entry.get("window_s", 0)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise AssignmentFileError(
+                f"{path}: 'parked' {host!r}: 'window_s' must be whole seconds >= 0, got {window!r}; {ASIDE}")
         try:
             mine = parse_assign(assignment["hosts"][host], n) if assignment["hosts"][host] else frozenset()
             bad = set(parse_assign(entry["buckets"], n)) - mine if entry["buckets"] else set()

@@ -16,12 +16,16 @@ Contract:
 - Parking (issue #51): `finished` None means `host` did not answer. Then the buckets of its own
   that `recorded` (hsx.finishedrecord: what it last reported finished, read by fleet-status, a
   takeover or a rebalance while it answered) names are **parked**: it keeps them (no taker redoes
-  them) and `parked[host]` says which, since when, and which report (`reported_at`, `reported_by`);
+  them) and `parked[host]` says which, since when, which report (`reported_at`, `reported_by`) and
+  for how long (`window_s`: `park_window_s` as the parking takeover had it, else DEFAULT_PARK_WINDOW_S);
   only its other buckets move. A second takeover while it still does not answer changes nothing,
-  until `park_window_s` has passed since it was parked, or `disk_lost` (the operator says its disk
-  is gone): then the parked buckets move like unfinished ones (`history`: released, why). A host
-  that answers is never parked: it keeps what its own output finished (none with `disk_lost`). Its
-  parked buckets are not done for the fleet until its output is read again (hsx fleet-status).
+  until the entry's `window_s` has passed since it was parked (one fact: the takeover that releases
+  them, `hsx fleet-status`'s hsx_fleet_parked_window_seconds and the alert on it all read it there;
+  an entry without one, `park_window_s`), or `disk_lost` (the operator says its disk is gone): then
+  the parked buckets move like unfinished ones (`history`: released, why); nothing releases them
+  while no takeover runs. A host that answers is never parked: it keeps what its own output
+  finished (none with `disk_lost`). Its parked buckets are not done for the fleet until its output
+  is read again (hsx fleet-status).
 - `plan_rebalance(assignment, new_hosts, started, now, returning=())`: the new assignment with
   `new_hosts` added and the retired hosts of `returning` back (no longer retired; the buckets they
   kept stay theirs). Only buckets no node has started (not in `started`: any sample of it done on
@@ -40,6 +44,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from .buckets import AssignError, format_ranges, parse_assign
+
+# How long an unreachable host's parked buckets stay parked unless a takeover says otherwise
+# (hsx_takeover_park_window; module hsx_assignment's park_window).
+DEFAULT_PARK_WINDOW_S = 86400
 
 
 def owned(assignment: dict[str, Any], host: str) -> set[int]:
@@ -85,7 +93,8 @@ def _what_stays(
         return (set() if disk_lost else mine & set(finished)), None, ("answered" if before else None)
     if disk_lost:
         return set(), None, ("disk lost" if before else None)
-    if before and park_window_s is not None and _age_s(before["since"], now, host) > park_window_s:
+    window = before.get("window_s", park_window_s) if before else None
+    if before and window is not None and _age_s(before["since"], now, host) > window:
         return set(), None, "unreachable past the park window"
     if before:  # still unreachable, within the window: what was parked stays parked (and only that)
         parked = mine & (set(parse_assign(before["buckets"], assignment["buckets"])) if before["buckets"] else set())
@@ -94,7 +103,8 @@ def _what_stays(
     if not parked:
         return set(), None, None
     entry = {"buckets": format_ranges(parked), "since": now, "reported_at": recorded["at"],
-             "reported_by": recorded["by"]}
+             "reported_by": recorded["by"],
+             "window_s": int(park_window_s if park_window_s is not None else DEFAULT_PARK_WINDOW_S)}
     return parked, entry, None
 
 

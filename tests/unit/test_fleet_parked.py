@@ -43,7 +43,8 @@ def test_parked_buckets_of_a_host_that_does_not_answer_keep_the_fleet_incomplete
     v = fleet_view(hosts, PARKED)
     assert not v["complete"] and v["samples"]["missing"] == 2
     assert v["parked"] == {"c": {"buckets": "4", "count": 1, "since": SINCE, "answered": False,
-                                 "reported_at": "2026-12-07T10:59:00+00:00", "reported_by": "fleet-status"}}
+                                 "reported_at": "2026-12-07T10:59:00+00:00", "reported_by": "fleet-status",
+                                 "window_s": 86400}}  # the entry has none: the default
     lines = render_view(v)
     parked = [ln for ln in lines if ln.startswith("PARKED:")]
     assert parked and "bucket(s) 4 on c" in parked[0] and "hsx takeover c --disk-lost" in parked[0]

@@ -26,7 +26,7 @@ def test_an_unreachable_hosts_reported_buckets_are_parked_not_moved() -> None:
     assert moves == {"n1": {6}, "n3": {7}}  # only the unfinished ones; 9 is not n2's
     assert new["hosts"] == {"n1": "0-3,6", "n2": "4-5", "n3": "7-11"} and new["retired"] == ["n2"]
     assert new["parked"] == {"n2": {"buckets": "4-5", "since": T0, "reported_at": REPORTED["at"],
-                                    "reported_by": "fleet-status"}}
+                                    "reported_by": "fleet-status", "window_s": DAY}}
     assert new["history"][-1]["parked"] == "4-5" and new["history"][-1]["kept"] == "4-5"
     check_assignment(new["hosts"], 12)
     assert "parked" not in FLEET
