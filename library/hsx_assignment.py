@@ -30,7 +30,8 @@ description:
       more (module_utils C(hsx.fleetplan)).
     - O(reported) is recorded beside O(path) (C(finished.json), what each host last reported finished, checked when
       read, written atomically, module_utils C(hsx.finishedrecord)); C(hsx fleet-status) records there too. A record
-      that cannot be read or believed fails the task, naming it (never read as nothing finished). Without
+      that cannot be read or believed fails the task, naming it (never read as nothing finished); with
+      O(reported_by=recovery) it is a warning and nothing is recorded (a recovery never fails on it). Without
       O(takeover) and O(rebalance) it is only recorded (a recovery's read, roles/extraction_job); the assignment is
       read as always.
     - With O(rebalance) hosts of O(hosts) the file does not name are added, taking only buckets no node has
@@ -461,7 +462,17 @@ def main() -> None:
             )
             warnings += said
         by = p["reported_by"] or ("takeover" if p["takeover"] else "rebalance")
-        recorded = _record(path, assignment["buckets"], p["reported"], by, module.check_mode)
+        try:
+            recorded = _record(path, assignment["buckets"], p["reported"], by, module.check_mode)
+        except AssignmentFileError as e:
+            if by != "recovery":
+                raise
+            # A recovery only adds to the record: a record it cannot believe must not stop the node coming
+            # back (every node's recovery would fail at once: a correlated failure the control node made).
+            # It stays as it is, so a takeover, which decides by it, still refuses it naming it.
+            recorded = {}
+            warnings.append(f"{e}: nothing recorded; the recovery goes on (a takeover refuses this record "
+                            "until it is fixed or removed)")
     except AssignmentFileError as e:
         module.fail_json(msg=str(e), path=path)
     for w in warnings:

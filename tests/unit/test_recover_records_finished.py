@@ -89,3 +89,19 @@ def test_without_an_assignment_file_nothing_is_read_or_recorded(tmp_path) -> Non
     assert "Read which buckets every node has started and finished" in out
     assert "ok: [n1]" not in out.split("TASK [extraction_job : Read which buckets")[1].split("TASK [")[0]
     assert "reported finished:" not in out and not list(tmp_path.rglob("finished.json"))
+
+
+def test_a_record_it_cannot_believe_is_a_warning_for_a_recovery_not_a_failure(tmp_path) -> None:
+    """A recovery only adds to the record: a damaged finished.json must not stop the node coming back (the
+    whole fleet's recoveries would fail at once); it is left as it is, for a takeover to refuse."""
+    fleet_dir = tmp_path / ".fleet"
+    fleet_dir.mkdir()
+    (fleet_dir / "assignment.json").write_text(json.dumps(FLEET))
+    record = fleet_dir / "finished.json"
+    record.write_text('{"version": 1, "buckets": 6, "hosts": ')  # cut short
+    for h, spec in (("n1", "0-1"), ("n2", "2-3"), ("n3", "4-5")):
+        plant_output(tmp_path / h, spec, [])
+    done = assignment_step(tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "nothing recorded; the recovery goes on" in flat(done.stdout + done.stderr), done.stdout[-3000:]
+    assert record.read_text() == '{"version": 1, "buckets": 6, "hosts": '
