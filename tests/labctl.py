@@ -94,12 +94,13 @@ def lab_fetch(host: str, remote_dir: str, local: Path, *members: str) -> None:
     subprocess.run(["tar", "-C", str(local), "-xf", "-"], input=tar.stdout, check=True)
 
 
-def wait_for(predicate, timeout: float, what: str):
-    """predicate()'s first truthy value, asked once a second; AssertionError naming `what` after timeout s."""
+def wait_for(predicate, timeout: float, what: str, context=None):
+    """predicate()'s first truthy value, asked once a second; AssertionError naming `what` after timeout s,
+    with `context()`'s text (what the test can still show of why: a log's tail) when given."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f"\n{context()}" if context else ""))
