@@ -333,6 +333,9 @@ def selfheal(d: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=REPO, timeout=60)
 
 
+@pytest.mark.skipif(os.environ.get("HSX_LAB_CORRELATED") != "1",
+                    reason="not in make test: its ~450 CPU-s are not bought back yet (the suite is over its 35 min); "
+                           "HSX_LAB_CORRELATED=1 runs it")
 def test_correlated_failures_stop_the_loop_until_a_person_resumes(stack, tmp_path) -> None:
     running, _ = stack
     running.stop()  # the loop of the independent incidents above (its breaker needs 3 nodes)
