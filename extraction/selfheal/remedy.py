@@ -5,7 +5,9 @@ checkout's, with its ansible.cfg when it has one; without --project-dir, the ins
 hsx.recovery.recover or hsx.recovery.takeover by FQCN, with the operator's own Ansible configuration) -
 then record the outcome, which may open the breaker or hold the host.
 
-    record request -> settle (default 60 s) -> verify (extensions/eda/playbooks/selfheal_verify.yml) -> decide
+    record request -> settle (default 60 s) -> held at once if nothing may run whatever a verification finds
+        (breaker open, host held or taken over: no SSH to a sick fleet for each repeated alert)
+        -> verify (extensions/eda/playbooks/selfheal_verify.yml) -> decide
         -> act (the remedy playbook)  -> record its outcome (ok / failed, its failed stage)
         -> or hold (breaker open, host held, claim not confirmed, verification failed): nothing runs
 
@@ -186,7 +188,8 @@ def run(req: Request, policy: pol.Policy) -> int:
 
 
 def _verify_decide_act(req: Request, policy: pol.Policy, ledger: ledger_mod.Ledger, rid: str, nodes: list[str]) -> int:
-
+    if req.verify and _held_unverified(req, policy, ledger, nodes):
+        return 0
     check = (verify(req.project_dir, req.inventories, req.host, req.remedy, env=_env(req),
                     playbook=verify_playbook(req.project_dir),
                     exporter_port=req.exporter_port, progress_window_s=req.progress_window_s) if req.verify
@@ -239,6 +242,25 @@ def _verify_decide_act(req: Request, policy: pol.Policy, ledger: ledger_mod.Ledg
     result = "ok" if rc == 0 else f"failed (rc {rc}, stage {stage or 'unknown'})"
     log(f"{req.playbook} for {req.host}: {result}")
     return 0 if rc == 0 else 1
+
+
+def _held_unverified(req: Request, policy: pol.Policy, ledger: ledger_mod.Ledger, nodes: list[str]) -> bool:
+    """Held without a verification when nothing may run on the host whatever it would find (the breaker
+    already open, the host taken over or held): a storm's repeated alerts then cost the sick fleet no SSH
+    session each. Recorded as any hold is, with no finding (it saw nothing: it names no common cause)."""
+    now = time.time()
+    with ledger.locked(now) as state:
+        early = pol.decide(state, policy, now, req.host, len(nodes))
+        if early.act or early.open_breaker:
+            return False  # the verification decides (and may name the cause of a breaker it opens)
+        if early.hold_host:
+            state["held"][req.host] = {"since": now, "why": early.hold_host}
+        state["outcomes"].append({"at": now, "host": req.host, "remedy": req.remedy, "outcome": pol.OUTCOME_HELD,
+                                  "cause": "", "detail": f"not verified: {early.why}"})
+        _after_outcome(state, policy, now, req.host, len(nodes))
+        promtext.write(req.textfile_dir, state, now)
+    log(f"HELD: nothing run on {req.host} (not verified: nothing may run whatever it finds): {early.why}")
+    return True
 
 
 def _after_outcome(state: dict, policy: pol.Policy, now: float, host: str, fleet: int) -> None:
