@@ -72,3 +72,23 @@ def test_with_no_brake_the_claim_is_still_verified(tmp_path, verified) -> None:
     assert verified == ["n1"]
     (outcome,) = ledger_state(tmp_path)["outcomes"]
     assert outcome["outcome"] == pol.OUTCOME_NOT_CONFIRMED, outcome
+
+
+def test_a_recovery_refused_by_its_canary_holds_the_host(tmp_path, monkeypatch) -> None:
+    """A node that computes differently is never recovered again automatically: the next alert, even one
+    Prometheus sent before it read the node's canary metric, is held without a verification."""
+    asked: list[str] = []
+    monkeypatch.setattr(remedy, "verify", lambda *a, **kw: asked.append("v") or Verification(
+        f"{pol.FINDING_CONFIRMED}: the job is not making progress"))
+    monkeypatch.setattr(remedy, "_run_playbook", lambda req: 2)
+    monkeypatch.setattr(remedy, "_report_stage", lambda report_dir, host, since: "canary")
+    ledger = new_ledger(tmp_path)
+    with ledger.locked(time.time()):
+        pass
+    req = request(tmp_path, "n1")
+    assert remedy._verify_decide_act(req, pol.Policy(), ledger, "r1", ["n1", "n2", "n3"]) == 1
+    held = ledger_state(tmp_path)["held"]["n1"]
+    assert "canary" in held["why"] and "resume --host" in held["why"], held
+    monkeypatch.setattr(remedy, "_run_playbook", lambda req: pytest.fail("a refused node ran again"))
+    assert remedy._verify_decide_act(req, pol.Policy(), ledger, "r2", ["n1", "n2", "n3"]) == 0
+    assert asked == ["v"]
