@@ -60,7 +60,7 @@ UNIT_CPU = {
 class Stage:
     name: str
     argv: tuple[str, ...]
-    cpu: int  # estimated CPU seconds, own + lab hosts: the queue's order
+    cpu: int  # estimated CPU seconds, own + lab hosts (a fresh-clone run of 2026-12-07, loaded): the queue's order
 
 
 def pytest_stage(module: str, cpu: int) -> Stage:
@@ -91,18 +91,18 @@ def stages() -> list[Stage]:
             for i, (cpu, files) in enumerate(unit_shards(SHARDS))]
     integration = "tests/integration/"
     return [
-        pytest_stage(integration + "test_rollout.py", 960),
-        pytest_stage(integration + "test_self_healing.py", 560),
-        pytest_stage(integration + "test_incident.py", 530),
-        molecule_stage(340, "sglang_server"),
-        pytest_stage(integration + "test_fleet.py", 300),
+        pytest_stage(integration + "test_rollout.py", 860),
+        pytest_stage(integration + "test_self_healing.py", 600),
+        pytest_stage(integration + "test_incident.py", 445),
+        molecule_stage(320, "sglang_server"),
+        pytest_stage(integration + "test_fleet.py", 350),
         *unit,
-        pytest_stage(integration + "test_job_unit.py", 200),
-        molecule_stage(200, "assess", "gpu_reclaim", "sglang_patch", "shard_verify"),
+        pytest_stage(integration + "test_job_unit.py", 320),
+        molecule_stage(350, "assess", "gpu_reclaim", "sglang_patch", "shard_verify"),
         Stage("collection: ansible-test sanity, then its tarball", ("sh", "-c", "tools/collection/sanity.sh; a=$?; "
               f"{BIN / 'pytest'} {integration}test_collection.py -q -p no:cacheprovider --durations=5; b=$?; "
-              '[ "$a" -eq 0 ] && [ "$b" -eq 0 ]'), 160),
-        pytest_stage(integration + "test_monitoring.py", 100),
+              '[ "$a" -eq 0 ] && [ "$b" -eq 0 ]'), 290),
+        pytest_stage(integration + "test_monitoring.py", 225),
         Stage("lint: ansible-lint (production profile)", (str(BIN / "ansible-lint"), "--profile", "production", "-q"), 60),
         Stage("lint: ruff", (str(BIN / "ruff"), "check", "."), 3),
     ]
