@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,3 +82,19 @@ def backend(tiny_model_dir: Path) -> SharedBackend:
     from extraction.backends.hf import HFBackend
 
     return SharedBackend(HFBackend(tiny_model_dir, [1, 3, 4], dtype="fp32"))
+
+
+@pytest.fixture
+def no_hang() -> Iterator[None]:
+    """A reader that blocks on a FIFO is a failure, not a hung test run (5 s; the tests of hostile files use it)."""
+
+    def hung(*_a: object) -> None:
+        raise TimeoutError("the reader blocked on a FIFO")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(5)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

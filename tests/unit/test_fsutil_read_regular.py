@@ -7,28 +7,13 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
-from collections.abc import Iterator
 
 import pytest
 
 from hsx.fsutil import read_regular
 
-
-@pytest.fixture(autouse=True)
-def no_hang() -> Iterator[None]:
-    """A reader that blocks on a FIFO is a failure, not a hung test run."""
-
-    def hung(*_a: object) -> None:
-        raise TimeoutError("the reader blocked on a FIFO")
-
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(5)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+# Every test here: a reader that blocks on a FIFO fails (conftest.no_hang), not a hung run.
+pytestmark = pytest.mark.usefixtures("no_hang")
 
 
 def test_reads_a_regular_file_up_to_the_limit(tmp_path) -> None:

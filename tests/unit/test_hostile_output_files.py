@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,20 +26,8 @@ shard_verify = load_module("shard_verify")
 extraction_status = load_module("extraction_status_info")
 
 
-@pytest.fixture(autouse=True)
-def no_hang() -> Iterator[None]:
-    """A reader that blocks on a FIFO is a failure, not a hung test run."""
-
-    def hung(*_a: object) -> None:
-        raise TimeoutError("the reader blocked on a FIFO")
-
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(5)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+# Every test here: a reader that blocks on a FIFO fails (conftest.no_hang), not a hung run.
+pytestmark = pytest.mark.usefixtures("no_hang")
 
 
 def plant(out: Path, name: str, kind: str, elsewhere: Path) -> Path:
