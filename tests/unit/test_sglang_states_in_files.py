@@ -29,6 +29,12 @@ RID = "hsx-c0ffee00-s_000-0"
 LAYERS = [1, 3, 4]
 
 
+
+def _item(got) -> Item:
+    """The publisher's item for a read request, as the client makes it (its `finite` the hook's word)."""
+    return Item("s0", got.input_ids, torch.ones_like(got.input_ids), got.hidden_state, got.aux_hidden_state,
+                got.finite)
+
 def _header(offset: int, rows: int, **extra) -> dict:
     return {
         "format": hsx_dump_format.FORMAT,
@@ -197,14 +203,7 @@ def test_no_claim_is_checked_the_same_a_false_one_is_read_and_refused(tmp_path):
     _dump(tmp_path / "dfalse", [(0, 6)], finite=False)
     got = dumps.read_request(str(tmp_path / "dfalse"), RID, states_in_files=True)
     assert got.finite is False and isinstance(got.hidden_state, torch.Tensor)
-    item = Item(
-        "s0",
-        got.input_ids,
-        torch.ones_like(got.input_ids),
-        got.hidden_state,
-        got.aux_hidden_state,
-        got.finite,
-    )
+    item = _item(got)
     assert item.nonfinite() == f"{KEY_HIDDEN} or {KEY_AUX}"  # refused on the hook's word alone
     (tmp_path / "dyes").mkdir()
     _dump(tmp_path / "dyes", [(0, 6)], finite="yes")
@@ -253,14 +252,7 @@ def test_the_hook_records_what_it_found(tmp_path, bad):
     assert dumps._load(str(tmp_path / hsx_dump_format.dump_name("dirty", 0)), "dirty")["finite"] is False
     assert hsx_dump_format.rows_finite(hidden, dirty_parts).tolist() == [True, True, True, False]
     got = dumps.read_request(str(tmp_path), "dirty", expected_len=4, states_in_files=True)
-    item = Item(
-        "s0",
-        got.input_ids,
-        torch.ones_like(got.input_ids),
-        got.hidden_state,
-        got.aux_hidden_state,
-        got.finite,
-    )
+    item = _item(got)
     assert item.nonfinite() == KEY_AUX  # the client's publisher refuses the sample, naming the tensor
 
 
