@@ -26,7 +26,7 @@ from extraction.selfheal.policy import (
     FINDING_UNREACHABLE,
     FINDING_UNVERIFIED,
 )
-from hsx.status import STATE_DISK_LOW
+from hsx.status import STATE_DISK_LOW, STATE_DONE
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ def judge(result: dict[str, Any]) -> Verification:
         return Verification(f"{FINDING_UNVERIFIED}: {host}'s job status was not read (it stopped answering)")
     if status.get("state") == STATE_DISK_LOW:  # the job's own reading: a full disk still lets the probe's empty file in
         return Verification(f"{FINDING_STORAGE}: the output on {host} is full (its job paused: {status.get('msg') or '?'})")
+    if status.get("state") == STATE_DONE:  # a finished run needs no recovery (a stale alert: another output's metrics)
+        return Verification(f"{FINDING_NOT_CONFIRMED}: {host}'s job is done ({status.get('done')} of "
+                            f"{status.get('total')}): nothing to recover")
     age, uptime = status.get("status_age_s"), status.get("uptime_s")
     if isinstance(age, int | float) and isinstance(uptime, int | float) and age > uptime:
         return Verification(f"{FINDING_CONFIRMED}: {host}'s job status predates the host's boot "

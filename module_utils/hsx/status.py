@@ -20,7 +20,8 @@ from .fsutil import atomic_write_bytes, read_nofollow
 STATUS_NAME = "status.json"
 ERRORS_NAME = "errors.jsonl"
 STATE_DISK_LOW = "paused: disk low"  # the job stopped itself for lack of space (exit EXIT_PAUSED)
-STATES = ("starting", "running", "done", STATE_DISK_LOW, "failed", "interrupted")
+STATE_DONE = "done"  # every planned sample written (or recorded as an error)
+STATES = ("starting", "running", STATE_DONE, STATE_DISK_LOW, "failed", "interrupted")
 HISTORY_MAX = 240  # (time, done) points; halved by dropping every other one when full
 
 

@@ -207,6 +207,9 @@ def test_the_verifications_findings() -> None:
     # The same status from before the boot (its pid reused since): no job of this boot runs.
     assert "predates the host's boot" in judge(base | {"status": alive | {"status_age_s": 950}}).finding
     assert judge(base | {"status": alive | {"making_progress": False}}).category == "confirmed"
+    # A finished run: nothing to recover (the alert came from another output's stale metrics).
+    done = alive | {"state": "done", "done": 256, "total": 256, "making_progress": False, "pid_alive": False}
+    assert judge(base | {"status": done}).finding == "not-confirmed: n1's job is done (256 of 256): nothing to recover"
     ro = base | {"status": alive, "storage": {"probed": True, "writable": False, "error": "Read-only file system"}}
     assert judge(ro).finding == "storage: the output on n1 is not writable: Read-only file system"
     # Storage that answers with I/O errors fails the status read too: the probe names the cause.
