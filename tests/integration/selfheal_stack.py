@@ -105,7 +105,8 @@ def start(d: Path, targets: dict[str, str], inventory: list[str], report_dir: Pa
     (d / "alertmanager.yml").write_text(yaml.safe_dump(am))
     (d / "prometheus.yml").write_text(json.dumps({
         "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
-        "rule_files": [str(d / "hsx-selfheal.rules.yml")],
+        # The people's alerts too, as a site loads both (HsxCanaryMismatch: the canary scenario waits for it).
+        "rule_files": [str(d / "hsx-selfheal.rules.yml"), str(FILES / "hsx.rules.yml")],
         "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
         "scrape_configs": [{"job_name": "node", "params": SCRAPE_PARAMS, "static_configs": [
             {"targets": [f"{address}:9100"], "labels": {"hsx_host": name}} for name, address in targets.items()]}]
