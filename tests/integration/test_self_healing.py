@@ -219,12 +219,11 @@ def test_a_node_that_computes_differently_is_refused_before_it_writes(stack, tmp
 
     running, reports = stack
     p = running.prometheus
-    # A new run on both hosts (the person's fix of the held host first: its GPU healthy again), by hand, and
+    # A new run on both hosts (the person's fix of the held host first: its GPU healthy again), by hand, then
     # the loop resumed (what it counted before - the held host's failures, a loaded run's retried recovery,
-    # which could have opened the breaker - is behind it).
+    # which could have opened the breaker - is behind it). In that order, as a person does: resumed first,
+    # the loop's own recovery of a host ran beside this one once (both published the metrics).
     lab_ssh(BROKEN, "echo '[{}]' > /etc/hsx-fake-nvml.json")
-    resumed = selfheal(running.dir, "resume")
-    assert resumed.returncode == 0, resumed
     lab_vars = running.dir / "lab-vars.yml"
     data = json.loads(lab_vars.read_text())
     for h in (HEALED, BROKEN):
@@ -240,6 +239,8 @@ def test_a_node_that_computes_differently_is_refused_before_it_writes(stack, tmp
     stale = f"/var/lib/prometheus/node-exporter/{textfile_name(OUTPUT)}"
     for h in (HEALED, BROKEN):
         lab_ssh(h, f"rm -f {stale}")
+    resumed = selfheal(running.dir, "resume")
+    assert resumed.returncode == 0, resumed
     # #51 item 4 on a real host: with its GPU healthy the gate ran DCGM's diagnostic (level 1, JSON) and passed.
     calls = lab_ssh(BROKEN, f"cat {DCGMI_CALLS}").stdout.splitlines()
     assert calls and set(calls) == {"diag -r 1 -j"}, calls
