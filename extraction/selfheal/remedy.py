@@ -219,9 +219,7 @@ def _verify_decide_act(req: Request, policy: pol.Policy, ledger: ledger_mod.Ledg
             # The recovery cannot reach the host: a failed automatic recovery, counted here on the control node.
             act, outcome, why = False, pol.OUTCOME_FAILED, f"not run: {check.finding}"
         if not act:
-            state["outcomes"].append({"at": now, "host": req.host, "remedy": req.remedy, "outcome": outcome,
-                                      "cause": check.category, "detail": why})
-            _after_outcome(state, policy, now, req.host, len(nodes))
+            _record_outcome(state, policy, now, req, len(nodes), outcome, check.category, why)
         if state.get("breaker"):
             b = state["breaker"]
             b["cause"] = pol.common_cause(state, b.get("hosts", []), b["opened_at"] - policy.window_s) \
@@ -236,16 +234,13 @@ def _verify_decide_act(req: Request, policy: pol.Policy, ledger: ledger_mod.Ledg
     now = time.time()
     stage = _report_stage(req.report_dir, req.host, started) if rc else None
     with ledger.locked(now) as state:
-        state["outcomes"].append({"at": now, "host": req.host, "remedy": req.remedy,
-                                  "outcome": pol.OUTCOME_OK if rc == 0 else pol.OUTCOME_FAILED,
-                                  "cause": "storage" if stage == "storage" else (stage or ""),
-                                  "detail": f"{req.playbook} rc {rc}"})
         if rc == 0 and req.remedy == "takeover":
             state["retired"][req.host] = now  # its alerts act no more (the rules read hsx_selfheal_host_retired)
         if stage == "canary":  # it computes differently now: no automatic retry, whatever the alerts say
             state["held"][req.host] = {"since": now, "why": CANARY_HOLD}
             log(f"{req.host} is now held for a person: {CANARY_HOLD}")
-        _after_outcome(state, policy, now, req.host, len(nodes))
+        _record_outcome(state, policy, now, req, len(nodes), pol.OUTCOME_OK if rc == 0 else pol.OUTCOME_FAILED,
+                        stage or "", f"{req.playbook} rc {rc}")
         promtext.write(req.textfile_dir, state, now)
     result = "ok" if rc == 0 else f"failed (rc {rc}, stage {stage or 'unknown'})"
     log(f"{req.playbook} for {req.host}: {result}")
@@ -263,12 +258,19 @@ def _held_unverified(req: Request, policy: pol.Policy, ledger: ledger_mod.Ledger
             return False  # the verification decides (and may name the cause of a breaker it opens)
         if early.hold_host:
             state["held"][req.host] = {"since": now, "why": early.hold_host}
-        state["outcomes"].append({"at": now, "host": req.host, "remedy": req.remedy, "outcome": pol.OUTCOME_HELD,
-                                  "cause": "", "detail": f"not verified: {early.why}"})
-        _after_outcome(state, policy, now, req.host, len(nodes))
+        _record_outcome(state, policy, now, req, len(nodes), pol.OUTCOME_HELD, "", f"not verified: {early.why}")
         promtext.write(req.textfile_dir, state, now)
     log(f"HELD: nothing run on {req.host} (not verified: nothing may run whatever it finds): {early.why}")
     return True
+
+
+def _record_outcome(state: dict, policy: pol.Policy, now: float, req: Request, fleet: int,
+                    outcome: str, cause: str, detail: str) -> None:
+    """Every outcome - acted (ok, failed) or held - goes into the ledger the same way, then may open the
+    breaker or hold the host."""
+    state["outcomes"].append({"at": now, "host": req.host, "remedy": req.remedy, "outcome": outcome,
+                              "cause": cause, "detail": detail})
+    _after_outcome(state, policy, now, req.host, fleet)
 
 
 def _after_outcome(state: dict, policy: pol.Policy, now: float, host: str, fleet: int) -> None:
