@@ -96,6 +96,14 @@ exists:
   description: Whether the output directory exists.
   type: bool
   returned: always
+textfile:
+  description:
+    - The name of the node_exporter textfile a run on this output writes (C(hsx-<key>.prom), in the
+      directory of its C(metrics_textfile_dir)); named from the path alone, also where nothing ran.
+  type: str
+  returned: always
+  sample: hsx-3f2a9c0d1b4e.prom
+  version_added: "0.3.0"
 has_manifest:
   description: Whether C(run.json) exists (a run was started here).
   type: bool
@@ -208,6 +216,7 @@ from ansible.module_utils.hsx.index import read_index
 from ansible.module_utils.hsx.layout import MANIFEST_NAME
 from ansible.module_utils.hsx.manifest import ManifestError, read_manifest_dict
 from ansible.module_utils.hsx.status import pid_alive, read_status
+from ansible.module_utils.hsx.textfile import textfile_name
 
 ARGUMENT_SPEC = dict(
     path=dict(type="path", required=True, aliases=["output_dir"]),
@@ -262,7 +271,7 @@ class ExtractionStatus:
             "state": "none", "done": 0, "total": None, "remaining": None, "samples_per_s": 0.0,
             "eta_s": None, "bytes_done": 0, "bytes_per_sample": None, "pid": None, "pid_alive": False,
             "status_age_s": None, "last_progress_age_s": None, "making_progress": False, "message": "",
-            "index_bad_lines": 0,
+            "index_bad_lines": 0, "textfile": textfile_name(self.output_dir),
         }
         if not result["exists"]:
             result["message"] = f"{self.output_dir} does not exist"

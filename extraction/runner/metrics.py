@@ -4,7 +4,7 @@ Contract:
 - `MetricsReporter` is the run's StatusReporter (hsx/status.py) that, each time status.json is
   written (every --status-interval seconds and at each change of state), also writes
   `OUTPUT/metrics.prom` and, with --metrics-textfile-dir DIR, `DIR/hsx-<key>.prom` (one file per
-  output directory: `<key>` is textfile_key(output), so a resume rewrites the same file and two
+  output directory: `<key>` is hsx.textfile.textfile_key(output), so a resume rewrites the same file and two
   runs on one host never share one).
 - The values are rendered from the very dict written to status.json (`render`), so a scrape and
   `hsx status --json` cannot disagree. Each file is replaced atomically: a temp of our own kind in
@@ -36,20 +36,11 @@ from prometheus_client.registry import Collector
 from hsx.fsutil import DIR_FLAGS, open_nofollow, unlink_quiet
 from hsx.layout import temp_name
 from hsx.status import STATES, StatusReporter
+from hsx.textfile import textfile_name
 
 METRICS_NAME = "metrics.prom"
-TEXTFILE_PREFIX = "hsx-"
 FILE_MODE = 0o644
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-
-
-def textfile_key(output_dir: str) -> str:
-    """The per-output name part of the textfile: 12 hex of the output's absolute path."""
-    return hashlib.sha256(os.fsencode(os.path.abspath(output_dir))).hexdigest()[:12]
-
-
-def textfile_name(output_dir: str) -> str:
-    return f"{TEXTFILE_PREFIX}{textfile_key(output_dir)}.prom"
 
 
 def run_id(output_dir: str, created_at: str) -> str:

@@ -94,6 +94,16 @@ def test_missing_output_and_missing_status(tmp_path):
     assert r["done"] == 2 and r["state"] == "none" and "no readable status.json" in r["message"]
 
 
+def test_it_names_the_textfile_the_run_writes_also_where_nothing_ran(tmp_path):
+    """roles/extraction_job removes the metrics of an output the job left by this name: the runner's."""
+    from extraction.runner.metrics import textfile_name  # the name the runner writes
+
+    for out in (tmp_path / "nope", tmp_path):
+        r = extraction_status.ExtractionStatus(str(out), 60).read()
+        assert r["textfile"] == textfile_name(str(out)) and r["textfile"].startswith("hsx-"), r
+    assert extraction_status.ExtractionStatus(f"{tmp_path}/", 60).read()["textfile"] == textfile_name(str(tmp_path))
+
+
 def test_module_entry_point_is_check_mode_safe(tmp_path, capsys):
     plant(tmp_path, 3, status(done=3))
     before = sorted(os.listdir(tmp_path))
