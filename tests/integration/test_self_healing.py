@@ -70,7 +70,7 @@ def power_cycle(h: str) -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("selfheal")
-    lab("up", "2", "--data-size", "2G")  # sparse; two runs of DATASET when the correlated failures run too
+    lab("up", "2", "--data-size", "2G")  # sparse; a run of DATASET and two of RUN_SIZE
     running = None
     try:
         inventory = [str(REPO / "inventory" / "lab"), str(d / "lab-vars.yml")]
@@ -196,8 +196,27 @@ def test_the_counted_failures_survive_in_the_nodes_textfile(stack) -> None:
 
 
 # ---------------------------------------------------------------- a node that computes differently (#51)
-OUTPUT_A = "/data/hsx/correlated"  # the second run of DATASET on both hosts (here and in the correlated failures)
 MODEL = "models/tiny-dsv3"  # under the host's /data (inventory/lab: hsx_model_path)
+# The later scenarios' runs: each its own output on both hosts, of the first RUN_SIZE rows of DATASET (on a
+# quiet machine a job takes ~35 s for them, longer than each scenario needs it running; DATASET would
+# only burn the CPU the other stages of make test wait for).
+RUN_SIZE = 512
+OUTPUT_CANARY, OUTPUT_CORRELATED = "/data/hsx/canary", "/data/hsx/correlated"
+
+
+def new_run(lab_dir: Path, output: str) -> list[str]:
+    """A new run on both hosts - `output`, the first RUN_SIZE rows of DATASET - in the inventory (host vars
+    of its second source, where the loop's remedies read it too); its -i arguments. A person's recover.yml
+    then starts it."""
+    for h in (HEALED, BROKEN):
+        made = lab_ssh(h, f"head -n {RUN_SIZE} /data/datasets/tiny-{DATASET}.jsonl > /data/datasets/tiny-{RUN_SIZE}.jsonl")
+        assert made.returncode == 0, made
+    lab_vars = lab_dir / "lab-vars.yml"
+    data = json.loads(lab_vars.read_text())
+    for h in (HEALED, BROKEN):
+        data["all"]["hosts"][h].update(hsx_output_dir=output, hsx_lab_dataset_size=RUN_SIZE)
+    lab_vars.write_text(json.dumps(data))
+    return ["-i", str(REPO / "inventory" / "lab"), "-i", str(lab_vars)]
 
 
 def index_and_shards(h: str, output: str) -> tuple[str, str]:
@@ -224,27 +243,22 @@ def test_a_node_that_computes_differently_is_refused_before_it_writes(stack, tmp
     # which could have opened the breaker - is behind it). In that order, as a person does: resumed first,
     # the loop's own recovery of a host ran beside this one once (both published the metrics).
     lab_ssh(BROKEN, "echo '[{}]' > /etc/hsx-fake-nvml.json")
-    lab_vars = running.dir / "lab-vars.yml"
-    data = json.loads(lab_vars.read_text())
-    for h in (HEALED, BROKEN):
-        data["all"]["hosts"][h]["hsx_output_dir"] = OUTPUT_A
-    lab_vars.write_text(json.dumps(data))
-    inv = ["-i", str(REPO / "inventory" / "lab"), "-i", str(lab_vars)]
+    inv = new_run(running.dir, OUTPUT_CANARY)
     fresh = playbook("recover.yml", *inv, "-e", "extraction_job_restart_sec=2")
     assert fresh.rc == 0, fresh.output[-4000:]
-    # The old output's job metrics stay behind saying "running" (each output has its own textfile; nothing
-    # removes a file of an output no job writes any more - a known gap): HsxSelfHealStalled would fire
-    # for it 6 min later and start a recovery in the middle of this test's incident. A person moving a
-    # node to a new output removes them.
+    # The old output's job metrics are gone (roles/extraction_job: the output the config named before): left
+    # behind, BROKEN's would say "running" for ever (its job died there) - HsxSelfHealStalled fired for it and
+    # started a recovery in the middle of this test's incident, before the role removed them.
     stale = f"/var/lib/prometheus/node-exporter/{textfile_name(OUTPUT)}"
     for h in (HEALED, BROKEN):
-        lab_ssh(h, f"rm -f {stale}")
+        left = lab_ssh(h, f"ls {stale}")
+        assert left.returncode != 0, f"{h} kept the metrics of the output its job left: {left.stdout}"
     resumed = selfheal(running.dir, "resume")
     assert resumed.returncode == 0, resumed
     # #51 item 4 on a real host: with its GPU healthy the gate ran DCGM's diagnostic (level 1, JSON) and passed.
     calls = lab_ssh(BROKEN, f"cat {DCGMI_CALLS}").stdout.splitlines()
     assert calls and set(calls) == {"diag -r 1 -j"}, calls
-    wait_for(lambda: (status(HEALED, OUTPUT_A).get("done") or 0) >= 128, 300, f"{HEALED} to finish a few buckets")
+    wait_for(lambda: (status(HEALED, OUTPUT_CANARY).get("done") or 0) >= 128, 300, f"{HEALED} to finish a few buckets")
 
     # The incident: the weights replaced under the running job (on the control node's side of its /data),
     # its job kept from starting at boot, the power cut.
@@ -261,7 +275,7 @@ def test_a_node_that_computes_differently_is_refused_before_it_writes(stack, tmp
             os.chown(f, st.st_uid, st.st_gid)
             os.chmod(f, st.st_mode & 0o7777)
         power_cycle(HEALED)
-        before = index_and_shards(HEALED, OUTPUT_A)  # the job is dead: nothing writes now
+        before = index_and_shards(HEALED, OUTPUT_CANARY)  # the job is dead: nothing writes now
         failed_before = len([r for r in sh.runs(reports, HEALED) if not r.get("ok")])
 
         # Only observation from here.
@@ -275,7 +289,7 @@ def test_a_node_that_computes_differently_is_refused_before_it_writes(stack, tmp
         print(f"\ncanary refused {HEALED}: samples {samples}, relative error up to {mismatch['value']}")
         assert lab_ssh(HEALED, "systemctl is-active hsx-extraction").stdout.strip() != "active"
         time.sleep(sh.REPEAT_S)  # the alert repeats: the loop must not try again, and the job stays stopped
-        assert index_and_shards(HEALED, OUTPUT_A) == before, "shards or index lines written after the canary refused"
+        assert index_and_shards(HEALED, OUTPUT_CANARY) == before, "shards or index lines written after the canary refused"
         assert len([r for r in sh.runs(reports, HEALED) if not r.get("ok")]) == len(refused)
     finally:
         # The person's fix: the weights back (the correlated failures' recover.yml by hand resumes the node).
@@ -349,16 +363,12 @@ def test_correlated_failures_stop_the_loop_until_a_person_resumes(stack, tmp_pat
     running, _ = stack
     running.stop()  # the loop of the independent incidents above (its breaker needs 3 nodes)
     hosts = (HEALED, BROKEN)
-    # The person's fix of the held host (its GPU healthy again), and a new run on both: recover.yml by hand.
+    # The person's fix of the held host (its GPU healthy again; here already, by the canary scenario, which
+    # also put the weights back), and a new run on both, of its own (the canary scenario's may have finished
+    # on a quiet machine: then no job would fail with the storage): recover.yml by hand.
     lab_ssh(BROKEN, "echo '[{}]' > /etc/hsx-fake-nvml.json")
-    # The new run's output in the inventory (host vars of its second source), where the loop's remedies read it too.
-    lab_vars = running.dir / "lab-vars.yml"
-    inventory = [str(REPO / "inventory" / "lab"), str(lab_vars)]
-    data = json.loads(lab_vars.read_text())
-    for h in hosts:
-        data["all"]["hosts"][h]["hsx_output_dir"] = OUTPUT_A
-    lab_vars.write_text(json.dumps(data))
-    inv = [a for i in inventory for a in ("-i", i)]
+    inv = new_run(running.dir, OUTPUT_CORRELATED)
+    inventory = inv[1::2]
     fresh = playbook("recover.yml", *inv, "-e", "extraction_job_restart_sec=2")
     assert fresh.rc == 0, fresh.output[-4000:]
     mod = _lab_module()
@@ -368,7 +378,7 @@ def test_correlated_failures_stop_the_loop_until_a_person_resumes(stack, tmp_pat
     try:
         p = loop.prometheus
         for h in hosts:
-            wait_for(lambda h=h: (status(h, OUTPUT_A).get("done") or 0) >= 64, 300, f"{h} to extract into {OUTPUT_A}")
+            wait_for(lambda h=h: (status(h, OUTPUT_CORRELATED).get("done") or 0) >= 64, 300, f"{h} to extract into {OUTPUT_CORRELATED}")
 
         # 1. The shared storage fails under both at once.
         for h in hosts:
@@ -390,7 +400,7 @@ def test_correlated_failures_stop_the_loop_until_a_person_resumes(stack, tmp_pat
         assert resumed.returncode == 0 and "breaker closed" in resumed.stdout, resumed
         wait_for(lambda: not p.firing("HsxSelfHealBreakerOpen"), 60, "the breaker's alert to resolve")
         for h in hosts:
-            wait_for(lambda h=h: status(h, OUTPUT_A).get("state") in ("running", "done"), 300, f"{h}'s job back")
+            wait_for(lambda h=h: status(h, OUTPUT_CORRELATED).get("state") in ("running", "done"), 300, f"{h}'s job back")
 
         # 2. A partition: the control node loses both, longer than the node-down window.
         for h in hosts:
@@ -406,13 +416,13 @@ def test_correlated_failures_stop_the_loop_until_a_person_resumes(stack, tmp_pat
 
         # The fleet completes exactly once; no takeover ever ran.
         for h in hosts:
-            done = wait_for(lambda h=h: (s := status(h, OUTPUT_A)).get("state") == "done" and s, 600, f"{h} to finish")
-            deep = lab_ssh(h, f"/opt/hsx/venv/bin/hsx verify {OUTPUT_A} --level deep --json")
-            assert deep.returncode == 0 and json.loads(deep.stdout)["ok"] == done["total"] == DATASET, deep.stdout[-500:]
+            done = wait_for(lambda h=h: (s := status(h, OUTPUT_CORRELATED)).get("state") == "done" and s, 600, f"{h} to finish")
+            deep = lab_ssh(h, f"/opt/hsx/venv/bin/hsx verify {OUTPUT_CORRELATED} --level deep --json")
+            assert deep.returncode == 0 and json.loads(deep.stdout)["ok"] == done["total"] == RUN_SIZE, deep.stdout[-500:]
             records = [decode_index_line(line + b"\n") for line in
-                       lab_ssh(h, f"cat {OUTPUT_A}/index.jsonl").stdout.encode().split(b"\n") if line]
+                       lab_ssh(h, f"cat {OUTPUT_CORRELATED}/index.jsonl").stdout.encode().split(b"\n") if line]
             ids = [r["id"] for r in records if r and "id" in r]
-            assert len(ids) == len(set(ids)) == DATASET, (h, len(ids), len(set(ids)))
+            assert len(ids) == len(set(ids)) == RUN_SIZE, (h, len(ids), len(set(ids)))
         ledger = json.loads((a / "selfheal-state" / "ledger.json").read_text())
         # Takeovers were asked for (the node-down alerts) and held, never run.
         takeovers = [o for o in ledger.get("outcomes", []) if o.get("remedy") == "takeover"]
