@@ -94,13 +94,18 @@ def lab_fetch(host: str, remote_dir: str, local: Path, *members: str) -> None:
     subprocess.run(["tar", "-C", str(local), "-xf", "-"], input=tar.stdout, check=True)
 
 
-def wait_for(predicate, timeout: float, what: str, context=None):
-    """predicate()'s first truthy value, asked once a second; AssertionError naming `what` after timeout s,
-    with `context()`'s text (what the test can still show of why: a log's tail) when given."""
+def wait_for(predicate, timeout: float, what: str, context=None, max_interval: float = 4.0):
+    """predicate()'s first truthy value; AssertionError naming `what` after timeout s, with `context()`'s
+    text (what the test can still show of why: a log's tail) when given. Asked after 1 s, then at intervals
+    growing by half up to `max_interval` s: a predicate is often an SSH session and a Python `hsx status`
+    on the host (~0.3 CPU-s), and make test's long waits asked once a second cost minutes of its 2 cores.
+    A wait whose end is a measured figure passes max_interval=1 (the figure then says 1 s polls)."""
     deadline = time.monotonic() + timeout
+    interval = 1.0
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(1)
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+        interval = min(interval * 1.5, max_interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f"\n{context()}" if context else ""))

@@ -116,7 +116,7 @@ def test_three_hosts_split_one_dataset_and_finish_it_without_a_dead_one(fleet):
     def first_new_shard() -> bool:
         return any(bucket_of(i, BUCKETS) in dead_buckets for name in HOSTS[:2] for i in indexed_ids(name))
 
-    wait_for(first_new_shard, 400, f"a taking host's first shard of the dead host's buckets (rulebook log: {running.rulebook_log})")
+    wait_for(first_new_shard, 400, f"a taking host's first shard of the dead host's buckets (rulebook log: {running.rulebook_log})", max_interval=1)
     t_shard = time.time()
     alert = sh.alert_state(running.prometheus, "HsxSelfHealNodeDown", DEAD)
     assert alert and alert["state"] == "firing", alert

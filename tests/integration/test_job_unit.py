@@ -60,7 +60,7 @@ def test_killed_job_is_restarted_and_resumes(deployed):
     big = f"/data/datasets/tiny-{n}.jsonl"
     lab_ssh(HOST, f"test -e {big} || /opt/hsx/venv/bin/hsx tiny-dataset {big} -n {n}")
     use_output(out, big)
-    wait_for(lambda: 16 <= (status(out).get("done") or 0) < n - 200, 300, "the job to be mid-run")
+    wait_for(lambda: 16 <= (status(out).get("done") or 0) < n - 200, 300, "the job to be mid-run", max_interval=1)
     pid = lab_ssh(HOST, "systemctl show -p MainPID --value hsx-extraction").stdout.strip()
     lab_ssh(HOST, f"kill -9 {pid}")
     restarted = wait_for(lambda: (s := status(out)).get("pid") not in (None, int(pid)) and s, 120, "a restart")

@@ -132,7 +132,7 @@ def test_incidents_heal_themselves_or_ask_for_a_person(stack) -> None:
     healed = wait_for(lambda: [r for r in sh.runs(reports, HEALED) if r.get("ok")], 420,
                       f"a successful automatic recovery of {HEALED} (rulebook log: {running.rulebook_log})")
     progress = wait_for(lambda: (s := status(HEALED)).get("state") == "running" and s.get("done", 0) > before and s,
-                        240, f"{HEALED}'s extraction to make progress again")
+                        240, f"{HEALED}'s extraction to make progress again", max_interval=1)
     t_progress = time.time()
     wait_for(lambda: sh.alert_state(p, "HsxSelfHealStalled", HEALED) is None, 120, "the alert to resolve")
     report = healed[0]
