@@ -45,18 +45,30 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand; with `argv` naming one, of that one alone (command_modules)."""
     parser = Parser(prog="hsx", description="Crash-safe hidden-state extraction and its recovery tools.")
     parser.add_argument("--version", action="version", version=f"hsx {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{commands.__name__}.{info.name}")
-        module.register(subparsers)
+    for name in command_modules(argv):
+        importlib.import_module(f"{commands.__name__}.{name}").register(subparsers)
     return parser
 
 
+def command_modules(argv: list[str] | None = None) -> list[str]:
+    """The modules of extraction.commands to load: all of them, or only the one of the subcommand `argv`
+    names (its name with - as _). `hsx status OUT` then imports what status needs alone: ~0.07 CPU-s
+    instead of ~0.2 for every command's imports, paid by each poll of a script, a test or Ansible.
+    Anything else (no command, an unknown one, --help at the top) loads them all."""
+    names = sorted(info.name for info in pkgutil.iter_modules(commands.__path__))
+    first = next((a for a in argv or [] if not a.startswith("-")), None)
+    wanted = first.replace("-", "_") if first else None
+    return [wanted] if wanted in names else names
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from extraction import __version__
-from extraction.cli import build_parser, main
+from extraction.cli import build_parser, command_modules, main
 from hsx.exitcodes import EXIT_SIGINT, EXIT_USAGE
 
 
@@ -35,6 +35,24 @@ def test_every_discovered_command_has_a_handler():
     sub = next(a for a in parser._actions if a.dest == "command")
     for name, subparser in sub.choices.items():
         assert subparser.get_default("func") is not None, f"hsx {name} registers no func"
+
+
+def test_a_command_loads_its_own_module_alone():
+    """`hsx status OUT` imports status's module, not every command's (a poll's CPU): each command's
+    name, - as _, is its module's, or the command would fall back to loading them all."""
+    every = command_modules()
+    names = next(a for a in build_parser()._actions if a.dest == "command").choices
+    assert len(names) == len(every)
+    for name in names:
+        (module,) = command_modules([name, "--help"])
+        alone = next(a for a in build_parser([name])._actions if a.dest == "command").choices
+        assert list(alone) == [name], (name, module)
+    assert command_modules(["--version"]) == command_modules(["no-such-command"]) == every
+    code = ("import contextlib, sys\nfrom extraction.cli import main\nwith contextlib.redirect_stdout(None):\n"
+            "    with contextlib.suppress(SystemExit):\n        main(['status', '--help'])\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('extraction.commands.'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == ["extraction.commands.status"], loaded
 
 
 def _subparsers() -> dict:
