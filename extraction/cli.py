@@ -59,9 +59,12 @@ def command_modules(argv: list[str] | None = None) -> list[str]:
     """The modules of extraction.commands to load: all of them, or only the one of the subcommand `argv`
     names (its name with - as _). `hsx status OUT` then imports what status needs alone: ~0.07 CPU-s
     instead of ~0.2 for every command's imports, paid by each poll of a script, a test or Ansible.
-    Anything else (no command, an unknown one, --help at the top) loads them all."""
+    `hsx --version` (each recovery's deploy asks it) loads none. Anything else (no command, an unknown one,
+    --help at the top) loads them all."""
     names = sorted(info.name for info in pkgutil.iter_modules(commands.__path__))
     first = next((a for a in argv or [] if not a.startswith("-")), None)
+    if first is None and "--version" in (argv or []) and "--help" not in argv and "-h" not in argv:
+        return []
     wanted = first.replace("-", "_") if first else None
     return [wanted] if wanted in names else names
 

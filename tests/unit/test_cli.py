@@ -47,7 +47,8 @@ def test_a_command_loads_its_own_module_alone():
         (module,) = command_modules([name, "--help"])
         alone = next(a for a in build_parser([name])._actions if a.dest == "command").choices
         assert list(alone) == [name], (name, module)
-    assert command_modules(["--version"]) == command_modules(["no-such-command"]) == every
+    assert command_modules([]) == command_modules(["no-such-command"]) == command_modules(["--help"]) == every
+    assert command_modules(["--version"]) == []
     code = ("import contextlib, sys\nfrom extraction.cli import main\nwith contextlib.redirect_stdout(None):\n"
             "    with contextlib.suppress(SystemExit):\n        main(['status', '--help'])\n"
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('extraction.commands.'))))")
