@@ -220,8 +220,15 @@ def test_each_remedy_runs_on_the_alerts_host_only_once_per_window(rulebook) -> N
     lines = record.read_text().splitlines()
     assert sorted(lines) == [f"recover node-1 True {project}/reports", f"takeover node-2-down True {project}/reports"], \
         log.read_text()[-4000:]
-    state = json.loads((record.parent / "state" / "ledger.json").read_text())
-    findings = {(r["host"], r["remedy"]): r.get("finding", "") for r in state["requests"]}
+    # node-3's takeover waits for node-2-down's (one takeover at a time), then is verified: its finding
+    # comes last (after 8 s it had none yet on a loaded make test).
+    deadline = time.monotonic() + 120
+    while True:
+        state = json.loads((record.parent / "state" / "ledger.json").read_text())
+        findings = {(r["host"], r["remedy"]): r.get("finding", "") for r in state["requests"]}
+        if all(findings.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert findings[("node-3", "takeover")].startswith("not-confirmed: node-3 answers over SSH"), findings
     assert findings[("node-2-down", "takeover")].startswith("unreachable: node-2-down answers neither"), findings
     assert findings[("node-1", "recover")].startswith("confirmed: node-1's job is not making progress"), findings
