@@ -26,6 +26,7 @@ import argparse
 import os
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -63,9 +64,16 @@ class Stage:
     cpu: int  # estimated CPU seconds, own + lab hosts (fresh-clone runs of 2026-12-07/08, loaded): the queue's order
 
 
+# How every stage runs pytest: quiet, no cache written into the checkout, the slowest tests named.
+PYTEST_FLAGS = ("-q", "-p", "no:cacheprovider")
+
+
+def pytest_argv(*args: str, durations: int = 5) -> tuple[str, ...]:
+    return (str(BIN / "pytest"), *args, *PYTEST_FLAGS, f"--durations={durations}")
+
+
 def pytest_stage(module: str, cpu: int) -> Stage:
-    name = Path(module).stem
-    return Stage(name, (str(BIN / "pytest"), module, "-q", "-p", "no:cacheprovider", "--durations=5"), cpu)
+    return Stage(Path(module).stem, pytest_argv(module), cpu)
 
 
 def molecule_stage(cpu: int, *scenarios: str) -> Stage:
@@ -86,8 +94,8 @@ def unit_shards(n: int) -> list[tuple[int, list[str]]]:
 
 
 def stages() -> list[Stage]:
-    unit = [Stage(f"pytest unit {i + 1}/{SHARDS}", (str(BIN / "pytest"), *files, "-q", "-p", "no:cacheprovider",
-                                                    "--durations=8", f"--junitxml={LOGS / f'unit-{i + 1}.xml'}"), cpu)
+    unit = [Stage(f"pytest unit {i + 1}/{SHARDS}",
+                  pytest_argv(*files, durations=8) + (f"--junitxml={LOGS / f'unit-{i + 1}.xml'}",), cpu)
             for i, (cpu, files) in enumerate(unit_shards(SHARDS))]
     integration = "tests/integration/"
     return [
@@ -100,7 +108,7 @@ def stages() -> list[Stage]:
         pytest_stage(integration + "test_job_unit.py", 290),
         molecule_stage(350, "assess", "gpu_reclaim", "sglang_patch", "shard_verify"),
         Stage("collection: ansible-test sanity, then its tarball", ("sh", "-c", "tools/collection/sanity.sh; a=$?; "
-              f"{BIN / 'pytest'} {integration}test_collection.py -q -p no:cacheprovider --durations=5; b=$?; "
+              f"{shlex.join(pytest_argv(integration + 'test_collection.py'))}; b=$?; "
               '[ "$a" -eq 0 ] && [ "$b" -eq 0 ]'), 180),
         pytest_stage(integration + "test_monitoring.py", 200),
         Stage("lint: ansible-lint (production profile)", (str(BIN / "ansible-lint"), "--profile", "production", "-q"), 70),
