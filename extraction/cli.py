@@ -62,8 +62,9 @@ def command_modules(argv: list[str] | None = None) -> list[str]:
     `hsx --version` (each recovery's deploy asks it) loads none. Anything else (no command, an unknown one,
     --help at the top) loads them all."""
     names = sorted(info.name for info in pkgutil.iter_modules(commands.__path__))
-    first = next((a for a in argv or [] if not a.startswith("-")), None)
-    if first is None and "--version" in (argv or []) and "--help" not in argv and "-h" not in argv:
+    args = argv or []
+    first = next((a for a in args if not a.startswith("-")), None)
+    if first is None and "--version" in args and "--help" not in args and "-h" not in args:
         return []
     wanted = first.replace("-", "_") if first else None
     return [wanted] if wanted in names else names

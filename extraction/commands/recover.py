@@ -13,7 +13,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "recover",
         help="recover crashed extraction nodes (recover.yml) with a live per-host view and a report",
-        description="Runs recover.yml (this checkout's playbooks/recover.yml, else the installed collection's hsx.recovery.recover) through ansible-runner. Exit 0: every host ok; 1: some host "
+        description="Runs recover.yml (this checkout's playbooks/recover.yml, else the installed collection's "
+        "hsx.recovery.recover) through ansible-runner. Exit 0: every host ok; 1: some host "
         "failed or was unreachable; 2: usage.",
     )
     add_playbook_arguments(p)

@@ -24,11 +24,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "takeover",
         help="move a dead host's unfinished buckets to the live hosts (takeover.yml); --check shows the plan",
-        description="Runs takeover.yml (this checkout's playbooks/takeover.yml, else the installed collection's hsx.recovery.takeover) with hsx_takeover_host=HOST: finished buckets are read from "
+        description="Runs takeover.yml (this checkout's playbooks/takeover.yml, else the installed collection's "
+        "hsx.recovery.takeover) with hsx_takeover_host=HOST: finished buckets are read from "
         "each host's own output (an unreachable host finished nothing), the rest of HOST's buckets move to the "
         "hosts that answered (recorded in the fleet's assignment file) and their jobs resume with them; HOST's job "
         "is stopped where it answers. HOST may be a host of the assignment file no longer in the inventory. Writes "
-        "<reports>/<timestamp>-takeover/ (reports/ of a checkout, else $XDG_STATE_HOME/hsx/reports). Exit 0: done (HOST itself may be unreachable); 1: some other host failed, "
+        "<reports>/<timestamp>-takeover/ (reports/ of a checkout, else $XDG_STATE_HOME/hsx/reports). Exit 0: "
+        "done (HOST itself may be unreachable); 1: some other host failed, "
         "or no plan; 2: usage. An unreachable HOST keeps the buckets it last reported finished (recorded on the "
         "control node by fleet-status, a takeover or a rebalance), parked: not redone until its output is read "
         "again, the park window passes (hsx_takeover_park_window, default 86400 s) or --disk-lost.",
